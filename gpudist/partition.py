@@ -1,0 +1,152 @@
+"""Partitions: ordered subsets of world ranks arranged as Cartesian grids.
+
+A rank is *active* in a partition or not; an inactive rank still holds a Partition object
+(answering ``active == False``) so every rank runs the same program. Construction is
+collective over the member ranks, deterministic, and creates the partition's communicator
+group once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .errors import PartitionError
+from .runtime import World, require_world
+from .transport.base import Group
+
+
+class Partition:
+    """World ranks ``ranks`` (C order) arranged as a grid of ``shape``."""
+
+    def __init__(self, ranks: Sequence[int], shape: Sequence[int], world: World | None = None):
+        self.world = require_world(world)
+        self.ranks = tuple(int(r) for r in ranks)
+        self.shape = tuple(int(s) for s in shape)
+        if any(s < 1 for s in self.shape):
+            raise PartitionError(f"partition shape {self.shape} has a non-positive extent")
+        if math.prod(self.shape) != len(self.ranks):
+            raise PartitionError(
+                f"partition shape {self.shape} holds {math.prod(self.shape)} workers "
+                f"but {len(self.ranks)} ranks were given"
+            )
+        if len(set(self.ranks)) != len(self.ranks):
+            raise PartitionError(f"partition ranks {self.ranks} repeat a rank")
+        bad = [r for r in self.ranks if not 0 <= r < self.world.size]
+        if bad:
+            raise PartitionError(
+                f"partition of shape {self.shape} needs world ranks {sorted(self.ranks)} "
+                f"but the world has only {self.world.size} rank(s)"
+            )
+        me = self.world.rank
+        self.active = me in self.ranks
+        self.rank = self.ranks.index(me) if self.active else -1
+        self.coords = self.coords_of(self.rank) if self.active else None
+        self._group: Group | None = None
+        if self.active and len(self.ranks) > 1:
+            self._group = self.world.transport.group(self.ranks)
+
+    # -- constructors -------------------------------------------------------
+    @classmethod
+    def grid(
+        cls, shape: Sequence[int], ranks: Iterable[int] | None = None, world: World | None = None
+    ) -> Partition:
+        """A grid of ``shape`` over ``ranks`` (default: the first prod(shape) world ranks)."""
+        w = require_world(world)
+        n = math.prod(int(s) for s in shape)
+        if ranks is None:
+            if n > w.size:
+                raise PartitionError(
+                    f"partition of shape {tuple(shape)} needs {n} ranks "
+                    f"but the world has only {w.size}"
+                )
+            ranks = range(n)
+        return cls(list(ranks), shape, w)
+
+    @classmethod
+    def root(cls, dim: int, rank: int = 0, world: World | None = None) -> Partition:
+        """A one-worker partition with ``dim`` unit extents on world ``rank``."""
+        return cls([rank], (1,) * dim, world)
+
+    def sub(self, axes: Sequence[int]) -> Partition:
+        """The ranks sharing this rank's coordinates on all axes *not* in ``axes``.
+
+        Keeps every dimension (extent 1 off ``axes``); inactive ranks get an inactive one.
+        """
+        axes = sorted({a % self.dim for a in axes})
+        shape = tuple(s if d in axes else 1 for d, s in enumerate(self.shape))
+        if not self.active:
+            return _inactive(shape, self.world)
+        members = []
+        for idx in np.ndindex(*shape):
+            c = tuple(idx[d] if d in axes else self.coords[d] for d in range(self.dim))
+            members.append(self.world_rank_of(c))
+        return Partition(members, shape, self.world)
+
+    def transpose(self) -> Partition:
+        """Same ranks, grid axes reversed: the worker at coords c goes to reversed(c)."""
+        order = np.arange(self.size).reshape(self.shape).transpose().ravel()
+        return Partition([self.ranks[i] for i in order], self.shape[::-1], self.world)
+
+    def reshape(self, shape: Sequence[int]) -> Partition:
+        """Same ranks in the same C order, another grid shape of the same size."""
+        return Partition(self.ranks, shape, self.world)
+
+    def union(self, other: Partition) -> Partition:
+        """1-D partition of this partition's ranks followed by ``other``'s new ones."""
+        ranks = list(self.ranks) + [r for r in other.ranks if r not in self.ranks]
+        return Partition(ranks, (len(ranks),), self.world)
+
+    # -- queries ------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def index(self) -> int:
+        """This rank's position in the partition (-1 when inactive)."""
+        return self.rank
+
+    @property
+    def group(self) -> Group | None:
+        """The communicator group of all members (None for one worker or when inactive)."""
+        return self._group
+
+    def coords_of(self, index: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in np.unravel_index(index, self.shape))
+
+    def world_rank_of(self, coords: Sequence[int]) -> int:
+        return self.ranks[int(np.ravel_multi_index(tuple(coords), self.shape))]
+
+    def neighbors(self, axis: int) -> tuple[int | None, int | None]:
+        """World ranks of the left and right neighbours along ``axis`` (non-periodic)."""
+        if not self.active:
+            return None, None
+        c = list(self.coords)
+        out: list[int | None] = []
+        for step in (-1, 1):
+            c2 = c.copy()
+            c2[axis] += step
+            out.append(self.world_rank_of(c2) if 0 <= c2[axis] < self.shape[axis] else None)
+        return out[0], out[1]
+
+    def same_as(self, other: Partition) -> bool:
+        return self.ranks == other.ranks and self.shape == other.shape
+
+    def __repr__(self) -> str:
+        state = f"coords={self.coords}" if self.active else "inactive"
+        return f"Partition(shape={self.shape}, ranks={self.ranks}, {state})"
+
+
+def _inactive(shape: Sequence[int], world: World) -> Partition:
+    """A partition object this rank is not part of (no communication)."""
+    p = Partition.__new__(Partition)
+    p.world, p.ranks, p.shape = world, (), tuple(shape)
+    p.active, p.rank, p.coords, p._group = False, -1, None, None
+    return p

@@ -1,0 +1,32 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from tests.harness import Cluster, mpiexec  # noqa: E402
+
+
+def _has_mpi() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return mpiexec() is not None
+
+
+HAS_MPI = _has_mpi()
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    not HAS_MPI, reason="mpi4py or mpiexec not installed"))]
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    c = Cluster()
+    yield c
+    c.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param

@@ -1,0 +1,201 @@
+"""Launch detection, decomposition, partitions, transports, timeouts, bad input."""
+
+import pytest
+import torch
+
+import gpudist
+from gpudist import Decomposition, Partition, PartitionError, ShapeError
+from gpudist.runtime import detect_launch, first_host
+from gpudist.transport.base import P2P, wait_all
+
+# ---------------------------------------------------------------- launch (no ranks needed)
+
+
+def test_detect_torchrun():
+    e = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                       "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    assert (e.launcher, e.rank, e.size, e.local_rank, e.master_addr, e.master_port) == \
+        ("torchrun", 3, 4, 1, "h", 1234)
+
+
+def test_detect_mpich_and_openmpi():
+    e = detect_launch({"PMI_RANK": "2", "PMI_SIZE": "6", "MPI_LOCALRANKID": "2"})
+    assert (e.launcher, e.rank, e.size, e.local_rank) == ("mpi", 2, 6, 2)
+    e = detect_launch({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                       "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert (e.launcher, e.rank, e.size, e.local_rank) == ("mpi", 1, 2, 1)
+
+
+def test_detect_slurm_step():
+    env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_NTASKS": "16",
+           "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "42",
+           "SLURM_STEP_NODELIST": "gpu[07-09,11]", "PMI_RANK": "5", "PMI_SIZE": "8"}
+    e = detect_launch(env)
+    assert (e.launcher, e.rank, e.size, e.local_rank, e.master_addr) == \
+        ("slurm", 5, 8, 1, "gpu07")
+    assert 20000 <= e.master_port < 40000
+    # a batch script (no step) is not an N-task world
+    assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}).launcher == "none"
+
+
+def test_first_host():
+    assert first_host("node1") == "node1"
+    assert first_host("a[3-5],b1") == "a3"
+    assert first_host("x[01,04]") == "x01"
+
+
+def test_no_launcher_is_world_of_one():
+    e = detect_launch({})
+    assert (e.launcher, e.rank, e.size) == ("none", 0, 1)
+
+
+# ---------------------------------------------------------------- decomposition
+
+
+@pytest.mark.parametrize("n,p", [(10, 3), (7, 7), (5, 1), (20, 6), (3, 4)])
+def test_block_sizes_remainder_low(n, p):
+    b = gpudist.block_sizes(n, p)
+    assert sum(b) == n and max(b) - min(b) <= 1 and b == sorted(b, reverse=True)
+    starts = gpudist.block_starts(n, p)
+    assert all(gpudist.block_range(n, p, i) == (starts[i], starts[i] + b[i]) for i in range(p))
+
+
+def test_decomposition_overlaps_cover_box():
+    d = Decomposition((7, 10), (2, 3))
+    assert d.local_shape((1, 2)) == (3, 3) and d.local_start((1, 2)) == (4, 7)
+    box = (slice(2, 6), slice(1, 9))
+    ov = list(d.overlaps(box))
+    assert sum(torch.tensor(o.shape).prod().item() for o in ov) == 4 * 8
+    for o in ov:
+        st = d.local_start(o.coords)
+        assert all(g.start - s == loc.start for g, s, loc in zip(o.glob, st, o.local))
+
+
+def test_decomposition_rank_mismatch():
+    with pytest.raises(ShapeError, match="3 dimensions but the partition has 2"):
+        Decomposition((4, 4, 4), (2, 2))
+
+
+# ---------------------------------------------------------------- partitions (multi-rank)
+
+
+def _partition_facts(shape):
+    w = gpudist.world()
+    P = Partition.grid(shape)
+    out = {"active": P.active, "coords": P.coords, "rank": P.rank}
+    if P.active:
+        out["neighbors"] = [P.neighbors(a) for a in range(P.dim)]
+        S = P.sub([P.dim - 1])
+        out["sub"] = (S.shape, S.ranks)
+        T = P.transpose()
+        out["t_coords"] = T.coords
+    out["world"] = (w.rank, w.size)
+    return out
+
+
+@pytest.mark.parametrize("n,shape", [(1, (1,)), (2, (2,)), (3, (1, 3)), (4, (2, 2)),
+                                     (6, (2, 3)), (6, (2, 2))])
+def test_partition_grid(cluster, backend, n, shape):
+    res = cluster.run(n, _partition_facts, shape, backend=backend)
+    size = 1
+    for s in shape:
+        size *= s
+    for r, f in enumerate(res):
+        assert f["world"] == (r, n)
+        assert f["active"] == (r < size)
+        if r < size:
+            assert f["rank"] == r
+            c = f["coords"]
+            assert Partition.__name__ and len(c) == len(shape)
+            # neighbours are the ranks one step away in C order
+            for a, (lo, hi) in enumerate(f["neighbors"]):
+                stride = 1
+                for s in shape[a + 1:]:
+                    stride *= s
+                assert lo == (r - stride if c[a] > 0 else None)
+                assert hi == (r + stride if c[a] < shape[a] - 1 else None)
+            assert f["t_coords"] == tuple(reversed(c))
+            sub_shape, sub_ranks = f["sub"]
+            assert sub_shape[-1] == shape[-1] and r in sub_ranks
+        else:
+            assert f["coords"] is None
+
+
+def _too_small():
+    Partition.grid((2, 2))
+
+
+def test_world_too_small_raises_on_every_rank(cluster, backend):
+    errs = cluster.run(3, _too_small, backend=backend, expect_error=True)
+    assert all(e is not None and e.type == "PartitionError" for e in errs)
+    assert "needs 4 ranks but the world has only 3" in errs[0].message
+
+
+# ---------------------------------------------------------------- transport
+
+
+def _transport_roundtrip(dtype):
+    w = gpudist.world()
+    t, r, n = w.transport, w.rank, w.size
+    g = t.group(range(n))
+    # broadcast
+    x = torch.full((5, 3), float(r + 1), dtype=dtype)
+    t.broadcast(x, n - 1, g).wait()
+    ok = [bool((x == n).all())]
+    # reduce / all_reduce
+    y = torch.full((4,), float(r + 1), dtype=dtype)
+    t.reduce(y, 0, g).wait()
+    if r == 0:
+        ok.append(bool((y == n * (n + 1) / 2).all()))
+    z = torch.full((7,), float(r), dtype=dtype)
+    t.all_reduce(z, g).wait()
+    ok.append(bool((z == n * (n - 1) / 2).all()))
+    # all_gather
+    out = torch.empty(n * 2, dtype=dtype)
+    t.all_gather(out, torch.full((2,), float(r), dtype=dtype), g).wait()
+    ok.append(out.tolist() == [float(i) for i in range(n) for _ in range(2)])
+    # uneven all-to-all: rank r sends (j+1) copies of r to rank j
+    ins = torch.cat([torch.full((j + 1,), float(r), dtype=dtype) for j in range(n)])
+    outs = torch.empty(n * (r + 1), dtype=dtype)
+    t.all_to_all(outs, ins, [r + 1] * n, [j + 1 for j in range(n)], g).wait()
+    ok.append(outs.tolist() == [float(i) for i in range(n) for _ in range(r + 1)])
+    # ring send/recv (batched, any order)
+    send = torch.arange(6, dtype=dtype) + r
+    recv = torch.empty(6, dtype=dtype)
+    wait_all(t.batch_p2p([P2P("send", send, (r + 1) % n), P2P("recv", recv, (r - 1) % n)]))
+    ok.append(bool((recv == torch.arange(6, dtype=dtype) + (r - 1) % n).all()))
+    # a sub-group of the even ranks
+    evens = list(range(0, n, 2))
+    if r in evens and len(evens) > 1:
+        ge = t.group(evens)
+        e = torch.ones(3, dtype=dtype)
+        t.all_reduce(e, ge).wait()
+        ok.append(bool((e == len(evens)).all()))
+    t.barrier()
+    return ok
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_transport_ops(cluster, backend, n, dtype):
+    for r, ok in enumerate(cluster.run(n, _transport_roundtrip, dtype, backend=backend)):
+        assert all(ok), f"rank {r}: {ok}"
+
+
+def _missing_peer():
+    w = gpudist.world()
+    old = w.transport.timeout
+    w.transport.timeout = 1.0
+    try:
+        if w.rank == 0:
+            buf = torch.empty(3)
+            w.transport.recv(buf, 1, tag=999)  # rank 1 never sends on tag 999
+        return "no error"
+    finally:
+        w.transport.timeout = old
+
+
+def test_missing_peer_times_out(cluster, backend):
+    errs = cluster.run(2, _missing_peer, backend=backend, expect_error=True)
+    assert errs[0] is not None and errs[0].type == "CommTimeout", errs[0]
+    assert errs[1] is None
