@@ -53,6 +53,20 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def _srun_started(env: Mapping[str, str], rank_key: str, size_key: str) -> bool:
+    """Whether srun itself started this task (its PMI rank/size are the step's task rank/size).
+
+    ``mpiexec`` inside an allocation starts its proxies with srun (a step of one task per
+    node), so there every rank sees SLURM_STEP_ID and SLURM_PROCID=0: the rank must come
+    from PMI. Under ``srun --mpi=pmi2`` PMI and the step agree, and Slurm's view is used.
+    """
+    if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return False
+    step_size = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
+    pmi_size = env.get(size_key) or env.get("PMI_SIZE")
+    return env.get(rank_key) == env["SLURM_PROCID"] and (pmi_size is None or pmi_size == step_size)
+
+
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables (first match: torchrun, MPI, Slurm step, none)."""
     env = os.environ if env is None else env
@@ -64,10 +78,10 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     if "OMPI_COMM_WORLD_RANK" in env:
         return LaunchEnv("mpi", int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", default=0), addr, port)
-    if "PMI_RANK" in env and "PMI_SIZE" in env and "SLURM_STEP_ID" not in env:
+    if "PMI_RANK" in env and "PMI_SIZE" in env and not _srun_started(env, "PMI_RANK", "PMI_SIZE"):
         return LaunchEnv("mpi", int(env["PMI_RANK"]), int(env["PMI_SIZE"]),
                          _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK", default=0), addr, port)
-    if "PMIX_RANK" in env and "SLURM_STEP_ID" not in env:
+    if "PMIX_RANK" in env and not _srun_started(env, "PMIX_RANK", "PMIX_SIZE"):
         return LaunchEnv("mpi", int(env["PMIX_RANK"]), _int(env, "PMIX_SIZE", "PMI_SIZE", default=1),
                          _int(env, "PMIX_LOCAL_RANK", default=0), addr, port)
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
