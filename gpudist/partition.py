@@ -2,8 +2,8 @@
 
 A rank is *active* in a partition or not; an inactive rank still holds a Partition object
 (answering ``active == False``) so every rank runs the same program. Construction is
-collective over the member ranks, deterministic, and creates the partition's communicator
-group once.
+collective over the world (every rank constructs the same partitions in the same order),
+deterministic, and creates the partition's communicator group once.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ class Partition:
         self.rank = self.ranks.index(me) if self.active else -1
         self.coords = self.coords_of(self.rank) if self.active else None
         self._group: Group | None = None
-        if self.active and len(self.ranks) > 1:
-            self._group = self.world.transport.group(self.ranks)
+        if len(self.ranks) > 1:  # world-collective: inactive ranks take part in creation
+            g = self.world.transport.group(self.ranks)
+            self._group = g if self.active else None
 
     # -- constructors -------------------------------------------------------
     @classmethod
@@ -74,16 +75,23 @@ class Partition:
         """The ranks sharing this rank's coordinates on all axes *not* in ``axes``.
 
         Keeps every dimension (extent 1 off ``axes``); inactive ranks get an inactive one.
+        Collective over the world: creates the groups of every such fiber, in order.
         """
         axes = sorted({a % self.dim for a in axes})
         shape = tuple(s if d in axes else 1 for d, s in enumerate(self.shape))
-        if not self.active:
-            return _inactive(shape, self.world)
-        members = []
-        for idx in np.ndindex(*shape):
-            c = tuple(idx[d] if d in axes else self.coords[d] for d in range(self.dim))
-            members.append(self.world_rank_of(c))
-        return Partition(members, shape, self.world)
+        mine: Partition | None = None
+        fixed = [d for d in range(self.dim) if d not in axes]
+        for base in np.ndindex(*[self.shape[d] for d in fixed]):  # every fiber, same order
+            members = []
+            for idx in np.ndindex(*shape):
+                c = list(idx)
+                for d, v in zip(fixed, base):
+                    c[d] = v
+                members.append(self.world_rank_of(c))
+            p = Partition(members, shape, self.world)
+            if p.active:
+                mine = p
+        return mine if mine is not None else _inactive(shape, self.world)
 
     def transpose(self) -> Partition:
         """Same ranks, grid axes reversed: the worker at coords c goes to reversed(c)."""

@@ -177,7 +177,7 @@ class MPIPool(Pool):
         if exe is None:
             raise RuntimeError("mpiexec not found")
         key = secrets.token_bytes(16)
-        self.listener = Listener(("127.0.0.1", 0), authkey=key)
+        self.listener = Listener(("127.0.0.1", 0), authkey=key, backlog=128)
         host, port = self.listener.address
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -221,11 +221,7 @@ class Cluster:
         p = self.pools.get(key)
         if p is None or not p.alive:
             if backend == "mpi":
-                # at most two MPI pools alive (each rank is a full interpreter)
-                mpi_keys = [k for k in self.pools if k[0] == "mpi" and self.pools[k].alive]
-                for k in mpi_keys[:-1]:
-                    self.pools.pop(k).close()
-                p = MPIPool(size)
+                p = MPIPool(size)  # kept alive: restarting mpiexec costs seconds
             else:
                 p = ForkPool(size)
             self.pools[key] = p
@@ -233,6 +229,12 @@ class Cluster:
 
     def run(self, size: int, fn, *args, backend: str = "gloo", **kwargs):
         return self.pool(size, backend).run(fn, *args, **kwargs)
+
+    def discard(self, size: int, backend: str = "gloo") -> None:
+        """Close a pool whose transport state a test has broken (e.g. after a timeout)."""
+        p = self.pools.pop((backend, size), None)
+        if p is not None and p.alive:
+            p.close(kill=True)
 
     def close(self) -> None:
         for p in self.pools.values():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gpudist
-from gpudist import Decomposition, Partition, PartitionError, ShapeError
+from gpudist import Decomposition, Partition, ShapeError
 from gpudist.runtime import detect_launch, first_host
 from gpudist.transport.base import P2P, wait_all
 
@@ -83,11 +83,11 @@ def _partition_facts(shape):
     w = gpudist.world()
     P = Partition.grid(shape)
     out = {"active": P.active, "coords": P.coords, "rank": P.rank}
+    S = P.sub([P.dim - 1])  # collective: every rank takes part
+    T = P.transpose()
     if P.active:
         out["neighbors"] = [P.neighbors(a) for a in range(P.dim)]
-        S = P.sub([P.dim - 1])
         out["sub"] = (S.shape, S.ranks)
-        T = P.transpose()
         out["t_coords"] = T.coords
     out["world"] = (w.rank, w.size)
     return out
@@ -166,8 +166,8 @@ def _transport_roundtrip(dtype):
     ok.append(bool((recv == torch.arange(6, dtype=dtype) + (r - 1) % n).all()))
     # a sub-group of the even ranks
     evens = list(range(0, n, 2))
+    ge = t.group(evens)  # world-collective creation
     if r in evens and len(evens) > 1:
-        ge = t.group(evens)
         e = torch.ones(3, dtype=dtype)
         t.all_reduce(e, ge).wait()
         ok.append(bool((e == len(evens)).all()))
@@ -197,5 +197,6 @@ def _missing_peer():
 
 def test_missing_peer_times_out(cluster, backend):
     errs = cluster.run(2, _missing_peer, backend=backend, expect_error=True)
+    cluster.discard(2, backend)  # a timed-out gloo pair is closed for good
     assert errs[0] is not None and errs[0].type == "CommTimeout", errs[0]
     assert errs[1] is None

@@ -1,9 +1,10 @@
 """The transport interface: the only thing a backend implements.
 
 Primitives are written once against :class:`Transport`; a backend only moves bytes.
-All ranks are *world* ranks. A :class:`Group` is an ordered set of world ranks with a
-backend communicator; ``Transport.group(ranks)`` is collective over the members only and
-cached, so primitives create the groups they need once, at construction.
+All ranks are *world* ranks. A :class:`Group` is a set of world ranks with a backend
+communicator; ``Transport.group(ranks)`` is collective over the whole world (like
+``torch.distributed.new_group``) and cached, so every rank constructs the same partitions
+and primitives in the same order, and the groups they need are created once.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ class Transport(ABC):
     def group(self, ranks: Sequence[int]) -> Group:
         """The cached group of the rank *set* ``ranks``, members in ascending order.
 
-        Collective over the members only; member order (all-gather, all-to-all slots) is
-        ascending world rank whatever order ``ranks`` was given in.
+        Collective over the WORLD: every rank calls it with the same ranks in the same
+        order (non-members get a Group whose ``handle`` is None). Member order (all-gather,
+        all-to-all slots) is ascending world rank whatever order ``ranks`` was given in.
         """
 
     # -- point to point -----------------------------------------------------

@@ -99,12 +99,11 @@ class MPITransport(Transport):
         if g is None:
             if key == tuple(range(self.size)):
                 comm = self.comm
-            elif self.rank in key:
-                mg = self.comm.Get_group().Incl(list(key))
-                comm = self.comm.Create_group(mg, tag=hash(key) & 0x7FFF)
-                mg.Free()
-            else:
-                comm = None
+            else:  # world-collective: every rank calls this, in the same order
+                color = 0 if self.rank in key else self.MPI.UNDEFINED
+                comm = self.comm.Split(color, self.rank)
+                if comm == self.MPI.COMM_NULL:
+                    comm = None
             g = Group(key, comm)
             self._groups[key] = g
         return g

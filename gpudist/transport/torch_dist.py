@@ -68,12 +68,10 @@ class TorchDistTransport(Transport):
         if g is None:
             if key == tuple(range(self.size)):
                 handle = dist.group.WORLD
-            else:
-                handle = dist.new_group(
-                    list(key),
-                    timeout=datetime.timedelta(seconds=self.timeout),
-                    use_local_synchronization=True,
-                )
+            else:  # world-collective: every rank calls this, in the same order
+                handle = dist.new_group(list(key), timeout=datetime.timedelta(seconds=self.timeout))
+                if self.rank not in key:
+                    handle = None
             g = Group(key, handle)
             self._groups[key] = g
         return g

@@ -1,0 +1,244 @@
+"""Primitives: forward against the definition, adjoint test, errors on every rank."""
+
+import pytest
+import torch
+
+import gpudist
+from gpudist import Partition
+from gpudist.primitives import (
+    AllGather,
+    AllSumReduce,
+    Broadcast,
+    ReduceScatter,
+    Repartition,
+    SendRecv,
+    SumReduce,
+    collect,
+    distribute,
+    zero_volume,
+)
+from gpudist.testing import adjoint_mismatch
+from tests.util import block_of, global_tensor
+
+BLOCK = (3, 5)
+
+
+def _src_block(P, seed, dtype):
+    """A block that depends on the source coordinates."""
+    if not P.active:
+        return zero_volume(len(BLOCK), like=torch.empty(0, dtype=dtype))
+    return global_tensor(BLOCK, seed=seed + 100 * P.rank, dtype=dtype)
+
+
+# (world size, src shape, src ranks, dst shape, dst ranks, transpose_src)
+BCAST_CASES = [
+    (4, (1,), [0], (4,), [0, 1, 2, 3], False),
+    (6, (1, 2), [4, 5], (3, 2), [0, 1, 2, 3, 4, 5], False),
+    (6, (2, 1), [0, 1], (2, 3), [5, 4, 3, 2, 1, 0], False),
+    (6, (2, 1), [0, 3], (3, 2), [0, 1, 2, 3, 4, 5], True),
+    (4, (1, 1), [3], (1, 3), [0, 1, 2], False),
+    (3, (1,), [1], (1,), [1], False),
+]
+
+
+def _broadcast_case(src_shape, src_ranks, dst_shape, dst_ranks, transpose, dtype):
+    Ps = Partition(src_ranks, src_shape)
+    Pd = Partition(dst_ranks, dst_shape)
+    x = _src_block(Ps, 1, dtype)
+    y = Broadcast(Ps, Pd, transpose_src=transpose)(x)
+    # expected: the block of the matching source worker
+    Pv = Ps.transpose() if transpose else Ps
+    ok = True
+    if Pd.active:
+        c = tuple(ci if s > 1 else 0 for ci, s in zip(Pd.coords, Pv.shape))
+        src_rank = Pv.world_rank_of(c)
+        want = global_tensor(BLOCK, seed=1 + 100 * Ps.ranks.index(src_rank), dtype=dtype)
+        ok = torch.equal(y, want)
+    else:
+        ok = y.numel() == 0
+    m = adjoint_mismatch(Broadcast(Ps, Pd, transpose_src=transpose), x)
+    # SumReduce back, checked against its definition
+    s = SumReduce(Pd, Ps, transpose_dst=transpose)(y)
+    if Ps.active:
+        n_fan = sum(1 for r in Pd.ranks if Pv.world_rank_of(tuple(
+            ci if sz > 1 else 0 for ci, sz in zip(Pd.coords_of(Pd.ranks.index(r)), Pv.shape)))
+            == gpudist.world().rank)
+        ok = ok and torch.allclose(s, n_fan * x)
+    m2 = adjoint_mismatch(SumReduce(Pd, Ps, transpose_dst=transpose),
+                          y.detach() if Pd.active else zero_volume(2, like=x))
+    return ok, m, m2
+
+
+@pytest.mark.parametrize("case", BCAST_CASES, ids=lambda c: f"{c[0]}r-{c[1]}to{c[3]}")
+def test_broadcast_sumreduce(cluster, backend, case):
+    n, *args = case
+    for r, (ok, m, m2) in enumerate(cluster.run(n, _broadcast_case, *args, torch.float64,
+                                                 backend=backend)):
+        assert ok, f"rank {r} forward wrong"
+        assert m < 1e-14 and m2 < 1e-14, (m, m2)
+
+
+def test_broadcast_float32(cluster):
+    for ok, m, m2 in cluster.run(4, _broadcast_case, *BCAST_CASES[0][1:], torch.float32):
+        assert ok and m < 1e-6 and m2 < 1e-6
+
+
+def _allsum(shape, axes):
+    P = Partition.grid(shape)
+    x = _src_block(P, 3, torch.float64)
+    y = AllSumReduce(P, axes)(x)
+    ok = True
+    if P.active:
+        want = torch.zeros(BLOCK, dtype=torch.float64)
+        for i in range(P.size):
+            c = P.coords_of(i)
+            if all(c[d] == P.coords[d] for d in range(P.dim) if d not in axes):
+                want += global_tensor(BLOCK, seed=3 + 100 * i)
+        ok = torch.allclose(y, want)
+    return ok, adjoint_mismatch(AllSumReduce(P, axes), x)
+
+
+@pytest.mark.parametrize("shape,axes", [((2, 3), (1,)), ((2, 3), (0,)), ((2, 3), (0, 1)),
+                                        ((2, 2), (0,))])
+def test_all_sum_reduce(cluster, backend, shape, axes):
+    for ok, m in cluster.run(6, _allsum, shape, axes, backend=backend):
+        assert ok and m < 1e-14
+
+
+# (world, global shape, in shape, in ranks, out shape, out ranks)
+REPART_CASES = [
+    (4, (7, 10, 5), (2, 1, 1), [0, 1], (1, 3, 1), [1, 2, 3]),
+    (4, (7, 10, 5), (1, 1, 1), [0], (2, 2, 1), [0, 1, 2, 3]),
+    (6, (7, 10, 5), (2, 3, 1), [0, 1, 2, 3, 4, 5], (1, 1, 1), [5]),
+    (6, (9, 4, 3), (2, 2, 1), [0, 1, 2, 3], (3, 1, 2), [5, 4, 3, 2, 1, 0]),
+    (3, (5, 2, 4), (3, 1, 1), [0, 1, 2], (1, 1, 3), [0, 1, 2]),
+    (2, (3, 3, 3), (1, 2, 1), [0, 1], (1, 2, 1), [0, 1]),
+    (6, (2, 8, 3), (1, 4, 1), [0, 1, 2, 3], (1, 2, 1), [4, 5]),
+]
+
+
+def _repart_case(gshape, in_shape, in_ranks, out_shape, out_ranks):
+    Pi, Po = Partition(in_ranks, in_shape), Partition(out_ranks, out_shape)
+    G = global_tensor(gshape, seed=5)
+    x = block_of(G, Pi)
+    y = Repartition(Pi, Po)(x)
+    ok = torch.equal(y, block_of(G, Po))
+    m = adjoint_mismatch(Repartition(Pi, Po), x)
+    back = Repartition(Po, Pi)(y)
+    ok = ok and torch.equal(back, x)
+    return ok, m
+
+
+@pytest.mark.parametrize("case", REPART_CASES, ids=lambda c: f"{c[0]}r-{c[2]}to{c[4]}")
+def test_repartition(cluster, backend, case):
+    n, *args = case
+    for r, (ok, m) in enumerate(cluster.run(n, _repart_case, *args, backend=backend)):
+        assert ok, f"rank {r} forward wrong"
+        assert m < 1e-14
+
+
+def _identity_no_copy():
+    P = Partition.grid((2, 1))
+    x = torch.randn(3, 4)
+    return Repartition(P, Partition.grid((2, 1)))(x).data_ptr() == x.data_ptr()
+
+
+def test_repartition_identity_is_free(cluster):
+    assert all(cluster.run(2, _identity_no_copy))
+
+
+def _distribute_collect():
+    root = Partition.root(2, rank=2)
+    P = Partition.grid((2, 2))
+    G = global_tensor((5, 7), seed=9)
+    x = G.clone() if root.active else zero_volume(2, like=G)
+    y = distribute(x, root, P)
+    ok = torch.equal(y, block_of(G, P))
+    z = collect(y, P, root)
+    ok = ok and (torch.equal(z, G) if root.active else z.numel() == 0)
+    return ok
+
+
+def test_distribute_collect(cluster, backend):
+    assert all(cluster.run(4, _distribute_collect, backend=backend))
+
+
+def _gather_case(shape, axis, dim, gshape):
+    P = Partition.grid(shape)
+    G = global_tensor(gshape, seed=11)
+    x = block_of(G, P)
+    y = AllGather(P, axis, dim)(x)
+    ok = True
+    if P.active:
+        # expected: the blocks along `axis` concatenated = G's slab at my other coords
+        pshape = tuple(1 if d == axis else s for d, s in enumerate(P.shape))
+        coords = tuple(0 if d == axis else c for d, c in enumerate(P.coords))
+        from gpudist import Decomposition
+
+        sl = list(Decomposition(gshape, P.shape).global_slices(P.coords))
+        sl[dim] = slice(None)
+        ok = torch.equal(y, G[tuple(sl)])
+        del pshape, coords
+    m = adjoint_mismatch(AllGather(P, axis, dim), x)
+    full = y.detach()
+    m2 = adjoint_mismatch(ReduceScatter(P, axis, dim), full)
+    rs = ReduceScatter(P, axis, dim)(full)
+    if P.active:
+        ok = ok and torch.allclose(rs, P.shape[axis] * x)
+    return ok, m, m2
+
+
+@pytest.mark.parametrize("shape,axis,dim,gshape", [((3, 1), 0, 0, (7, 2)), ((2, 2), 1, 1, (4, 5)),
+                                                   ((2, 3), 1, 1, (3, 8))])
+def test_allgather_reducescatter(cluster, backend, shape, axis, dim, gshape):
+    for ok, m, m2 in cluster.run(6, _gather_case, shape, axis, dim, gshape, backend=backend):
+        assert ok and m < 1e-14 and m2 < 1e-14
+
+
+def _sendrecv():
+    w = gpudist.world()
+    x = torch.arange(6.0, dtype=torch.float64).reshape(2, 3) if w.rank == 2 else \
+        zero_volume(2, like=torch.empty(0, dtype=torch.float64))
+    op = SendRecv(2, 0, 2)
+    y = op(x)
+    ok = torch.equal(y, torch.arange(6.0, dtype=torch.float64).reshape(2, 3)) if w.rank == 0 \
+        else y.numel() == 0
+    return ok, adjoint_mismatch(SendRecv(2, 0, 2), x)
+
+
+def test_sendrecv(cluster, backend):
+    for ok, m in cluster.run(3, _sendrecv, backend=backend):
+        assert ok and m < 1e-14
+
+
+# ------------------------------------------------------------------ errors on every rank
+
+
+def _bad_broadcast_shapes():
+    Broadcast(Partition.grid((2, 1)), Partition.grid((3, 1)))
+
+
+def _bad_local_shape():
+    P = Partition.grid((2, 1))
+    r = gpudist.world().rank
+    x = torch.zeros((4 if r == 0 else 1, 3))  # 5 rows split (3, 2), rank 0 lies
+    Repartition(P, Partition.grid((1, 2)))(x)
+
+
+def _dtype_mismatch():
+    Ps, Pd = Partition.root(1), Partition.grid((3,))
+    r = gpudist.world().rank
+    x = torch.zeros(4, dtype=torch.float64) if r == 0 else torch.zeros(0, dtype=torch.float32)
+    Broadcast(Ps, Pd)(x)
+
+
+@pytest.mark.parametrize("fn,n,err,text", [
+    (_bad_broadcast_shapes, 6, "PartitionError", "do not broadcast"),
+    (_bad_local_shape, 2, "ShapeError", "rank 0 holds a block of shape (4, 3)"),
+    (_dtype_mismatch, 3, "DeviceError", "disagree in dtype"),
+])
+def test_errors_on_every_rank(cluster, backend, fn, n, err, text):
+    errs = cluster.run(n, fn, backend=backend, expect_error=True)
+    for r, e in enumerate(errs):
+        assert e is not None, f"rank {r} raised nothing"
+        assert e.type == err and text in e.message, (r, e.type, e.message)
