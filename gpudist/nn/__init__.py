@@ -1,0 +1,22 @@
+"""Distributed layers: torch layers composed with gpudist's primitives."""
+
+from ..primitives import Repartition
+from .conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, DistributedConvNd
+from .linear import DistributedLinear
+from .loss import DistributedLoss
+from .norm import DistributedBatchNorm
+from .pooling import (
+    DistributedAvgPool1d,
+    DistributedAvgPool2d,
+    DistributedAvgPool3d,
+    DistributedMaxPool1d,
+    DistributedMaxPool2d,
+    DistributedMaxPool3d,
+)
+
+__all__ = [
+    "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d",
+    "DistributedBatchNorm", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d",
+    "DistributedConvNd", "DistributedLinear", "DistributedLoss", "DistributedMaxPool1d",
+    "DistributedMaxPool2d", "DistributedMaxPool3d", "Repartition",
+]

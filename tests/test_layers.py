@@ -1,0 +1,232 @@
+"""Sequential equivalence: every distributed layer, gathered, equals its torch layer
+(forward, input gradient and parameter gradients) in float64, over uneven sizes, several
+partition shapes, inactive ranks and kernels with stride/dilation/padding."""
+
+import pytest
+import torch
+
+import gpudist.nn as gnn
+from gpudist import Partition
+from gpudist.primitives import Repartition, zero_volume
+from tests.util import block_of, global_tensor
+
+TOL = 1e-10
+
+
+def _gather(t, P, gshape):
+    root = Partition([P.ranks[0]], (1,) * P.dim)
+    return Repartition(P, root, tuple(gshape))(t.detach()), root
+
+
+def _maxerr(a, b):
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _run_spatial(layer, seq, P, gshape):
+    """Forward + backward of layer vs seq on the global tensor; max errors on the root."""
+    G = global_tensor(gshape, seed=1)
+    x = block_of(G, P).requires_grad_(True)
+    y = layer(x)
+    Gs = G.clone().requires_grad_(True)
+    Y = seq(Gs)
+    dY = global_tensor(Y.shape, seed=2)
+    y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
+    Y.backward(dY)
+    yg, root = _gather(y, P, Y.shape)
+    dxg, _ = _gather(x.grad if x.grad is not None else torch.zeros_like(x), P, G.shape)
+    errs = {}
+    if root.active:
+        errs["y"] = _maxerr(yg, Y.detach())
+        errs["dx"] = _maxerr(dxg, Gs.grad)
+    return errs, root
+
+
+def _conv_case(nd, pshape, ranks, gshape, cin, cout, k, s, p, d):
+    torch.manual_seed(0)
+    P = Partition(ranks, pshape)
+    cls = {1: gnn.DistributedConv1d, 2: gnn.DistributedConv2d, 3: gnn.DistributedConv3d}[nd]
+    seqcls = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[nd]
+    seq = seqcls(cin, cout, k, s, p, d, dtype=torch.float64)
+    layer = cls(P, cin, cout, k, s, p, d, dtype=torch.float64)
+    layer.load_global_state_dict(seq.state_dict())
+    errs, root = _run_spatial(layer, seq, P, gshape)
+    if root.active:
+        errs["dw"] = _maxerr(layer.weight.grad, seq.weight.grad)
+        errs["db"] = _maxerr(layer.bias.grad, seq.bias.grad)
+    return errs
+
+
+CONV_CASES = [
+    # world, nd, partition, ranks, global shape, cin, cout, k, s, p, d
+    (4, 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 3, 11, 9), 3, 4, 3, 1, 1, 1),
+    (4, 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 2, 13, 10), 2, 3, 5, 2, 2, 1),
+    (6, 2, (1, 1, 3, 2), [0, 1, 2, 3, 4, 5], (1, 2, 17, 12), 2, 2, 3, 1, 0, 2),
+    (6, 2, (1, 1, 1, 3), [3, 4, 5], (2, 2, 6, 14), 2, 3, (3, 2), (1, 2), (1, 0), 1),
+    (3, 1, (1, 1, 3), [0, 1, 2], (2, 3, 20), 3, 2, 4, 3, 1, 1),
+    (4, 3, (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 7, 5, 9), 2, 2, 3, 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[1]}d-{c[2]}-k{c[7]}s{c[8]}")
+def test_conv_equivalence(cluster, case):
+    n, *args = case
+    for errs in cluster.run(n, _conv_case, *args):
+        for k, v in errs.items():
+            assert v < TOL, (k, v)
+    assert any(cluster.run(n, _conv_case, *args))  # the root reported
+
+
+def test_conv_mpi(cluster):
+    n, *args = CONV_CASES[0]
+    for errs in cluster.run(n, _conv_case, *args, backend="mpi"):
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def _pool_case(kind, nd, pshape, ranks, gshape, k, s, p, d):
+    P = Partition(ranks, pshape)
+    if kind == "max":
+        layer = getattr(gnn, f"DistributedMaxPool{nd}d")(P, k, s, p, d)
+        seq = getattr(torch.nn, f"MaxPool{nd}d")(k, s, p, d)
+    else:
+        layer = getattr(gnn, f"DistributedAvgPool{nd}d")(P, k, s, p)
+        seq = getattr(torch.nn, f"AvgPool{nd}d")(k, s, p)
+    errs, _ = _run_spatial(layer, seq, P, gshape)
+    return errs
+
+
+POOL_CASES = [
+    (6, "max", 1, (1, 1, 6), list(range(6)), (2, 2, 20), 2, 2, 0, 1),
+    (4, "max", 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 3, 11, 13), 3, 2, 1, 1),
+    (4, "avg", 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 3, 12, 9), 2, 2, 0, 1),
+    (6, "max", 2, (1, 1, 2, 2), [2, 3, 4, 5], (1, 2, 14, 10), 3, 1, 1, 2),
+    (3, "avg", 1, (1, 1, 3), [0, 1, 2], (2, 2, 11), 3, 2, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[1]}{c[2]}d-{c[3]}")
+def test_pool_equivalence(cluster, case):
+    n, *args = case
+    for errs in cluster.run(n, _pool_case, *args):
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def _linear_case(fo_fi, ranks, batch, fin, fout):
+    torch.manual_seed(0)
+    fo, fi = fo_fi
+    P_w = Partition(ranks, (fo, fi))
+    P_x = Partition([P_w.world_rank_of((0, j)) for j in range(fi)], (1, fi))
+    P_y = Partition([P_w.world_rank_of((i, 0)) for i in range(fo)], (1, fo))
+    seq = torch.nn.Linear(fin, fout, dtype=torch.float64)
+    layer = gnn.DistributedLinear(P_x, P_y, P_w, fin, fout, dtype=torch.float64)
+    layer.load_global_state_dict(seq.state_dict())
+    G = global_tensor((batch, fin), seed=3)
+    x = block_of(G, P_x).requires_grad_(True)
+    y = layer(x)
+    Gs = G.clone().requires_grad_(True)
+    Y = seq(Gs)
+    dY = global_tensor(Y.shape, seed=4)
+    y.backward(block_of(dY, P_y) if P_y.active else zero_volume(2, like=y))
+    Y.backward(dY)
+    yg, root = _gather(y, P_y, Y.shape)
+    dxg, rootx = _gather(x.grad if x.grad is not None else torch.zeros_like(x), P_x, G.shape)
+    grads = layer.global_grads()
+    state = layer.global_state_dict()
+    errs = {}
+    if root.active:
+        errs["y"] = _maxerr(yg, Y.detach())
+    if rootx.active:
+        errs["dx"] = _maxerr(dxg, Gs.grad)
+    if grads:
+        errs["dw"] = _maxerr(grads["weight"], seq.weight.grad)
+        errs["db"] = _maxerr(grads["bias"], seq.bias.grad)
+        errs["w"] = _maxerr(state["weight"], seq.weight.detach())
+    return errs
+
+
+@pytest.mark.parametrize("n,fo_fi,ranks,batch,fin,fout", [
+    (4, (2, 2), [0, 1, 2, 3], 5, 13, 7),
+    (6, (2, 3), [0, 1, 2, 3, 4, 5], 3, 11, 9),
+    (4, (1, 3), [1, 2, 3], 4, 10, 5),
+    (6, (3, 1), [5, 3, 1], 2, 6, 8),
+])
+def test_linear_equivalence(cluster, backend, n, fo_fi, ranks, batch, fin, fout):
+    res = cluster.run(n, _linear_case, fo_fi, ranks, batch, fin, fout, backend=backend)
+    keys = set()
+    for errs in res:
+        keys |= set(errs)
+        assert all(v < TOL for v in errs.values()), errs
+    assert keys == {"y", "dx", "dw", "db", "w"}
+
+
+def _bn_case(pshape, ranks, gshape):
+    P = Partition(ranks, pshape)
+    seq = torch.nn.BatchNorm2d(gshape[1], dtype=torch.float64)
+    layer = gnn.DistributedBatchNorm(P, gshape[1], dtype=torch.float64)
+    with torch.no_grad():
+        seq.weight.uniform_(0.5, 1.5)
+        seq.bias.uniform_(-1, 1)
+        if layer.weight.numel():
+            layer.weight.copy_(seq.weight)
+            layer.bias.copy_(seq.bias)
+    errs, root = _run_spatial(layer, seq, P, gshape)
+    if root.active:
+        errs["dgamma"] = _maxerr(layer.weight.grad, seq.weight.grad)
+        errs["dbeta"] = _maxerr(layer.bias.grad, seq.bias.grad)
+    if P.active:
+        errs["running_var"] = _maxerr(layer.running_var, seq.running_var)
+    return errs
+
+
+def test_batchnorm_equivalence(cluster):
+    for errs in cluster.run(6, _bn_case, (3, 1, 1, 2), [0, 1, 2, 3, 4, 5], (7, 3, 5, 6)):
+        assert all(v < TOL for v in errs.values()), errs
+
+
+@pytest.mark.parametrize("kind", ["mse_loss", "cross_entropy"])
+def test_loss_equivalence(cluster, kind):
+    k = "mse" if kind == "mse_loss" else kind
+    res = cluster.run(3, _loss_case_named, k, kind)
+    assert set(res[0]) == {"loss", "dx"}
+    for errs in res:
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def _loss_case_named(k, torch_name):
+    P = Partition.grid((2, 1))
+    G = global_tensor((9, 4), seed=5)
+    if k == "cross_entropy":
+        T = torch.randint(0, 4, (9,), generator=torch.Generator().manual_seed(6))
+        from gpudist import Decomposition
+        t = T[Decomposition((9, 4), P.shape).global_slices(P.coords)[0]] if P.active else \
+            T[:0]
+    else:
+        T = global_tensor((9, 4), seed=6)
+        t = block_of(T, P)
+    x = block_of(G, P).requires_grad_(True)
+    loss = gnn.DistributedLoss(P, k)(x, t)
+    loss.backward(torch.ones_like(loss))
+    Gs = G.clone().requires_grad_(True)
+    L = getattr(torch.nn.functional, torch_name)(Gs, T)
+    L.backward()
+    dxg, root = _gather(x.grad if x.grad is not None else torch.zeros_like(x), P, G.shape)
+    if root.active:
+        return {"loss": abs(float(loss) - float(L)), "dx": _maxerr(dxg, Gs.grad)}
+    return {"zero_volume": float(loss.numel())}
+
+
+def _bad_kernel():
+    P = Partition.grid((1, 1, 4))
+    layer = gnn.DistributedMaxPool1d(P, 9, 1, 0)  # halo wider than a 2-entry neighbour
+    x = block_of(global_tensor((1, 1, 8)), P)
+    layer(x)
+
+
+def test_non_neighbour_halo_is_an_error_on_every_rank(cluster):
+    errs = cluster.run(4, _bad_kernel, expect_error=True)
+    assert all(e is not None and e.type == "HaloError" for e in errs), errs
+
+
+def test_world_size_one_matches_torch(cluster):
+    errs = cluster.run(1, _conv_case, 2, (1, 1, 1, 1), [0], (2, 3, 8, 8), 3, 2, 3, 1, 1, 1)
+    assert all(v < TOL for v in errs[0].values()) and errs[0]
+
