@@ -131,9 +131,9 @@ class Pool:
 class ForkPool(Pool):
     """N forked gloo ranks."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, start: str = "fork") -> None:
         super().__init__(size)
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(start)  # "spawn" where the parent already holds a CUDA context
         self._dir = tempfile.mkdtemp(prefix="gpudist-pool-")
         store = os.path.join(self._dir, "store")
         self.procs = []
@@ -222,6 +222,8 @@ class Cluster:
         if p is None or not p.alive:
             if backend == "mpi":
                 p = MPIPool(size)  # kept alive: restarting mpiexec costs seconds
+            elif backend == "gloo-spawn":
+                p = ForkPool(size, start="spawn")
             else:
                 p = ForkPool(size)
             self.pools[key] = p

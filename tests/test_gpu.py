@@ -45,6 +45,8 @@ def _conv_cuda(pshape, gshape, k, s, p, d):
 
 @pytest.mark.parametrize("n,pshape", [(1, (1, 1, 1, 1)), (2, (1, 1, 2, 1)), (4, (1, 1, 2, 2))])
 def test_conv_pool_on_cuda(cluster, n, pshape):
-    for r in cluster.run(n, _conv_cuda, pshape, (2, 3, 12, 10), 3, 1, 1, 1):
+    # spawned ranks: a forked child cannot use CUDA once the parent has touched it
+    for r in cluster.run(n, _conv_cuda, pshape, (2, 3, 12, 10), 3, 1, 1, 1,
+                         backend="gloo-spawn"):
         assert r.pop("on_device")
         assert all(v < 1e-10 for v in r.values()), r
