@@ -8,6 +8,8 @@
 worker table and a picture of a 1-D layout.
 """
 
+from .exchange import HaloExchange, HaloPlan, gather_global_shape, halo_exchange
 from .geometry import HaloGeometry, WorkerHalo, halo_spec, normalize_params, worker_spec
 
-__all__ = ["HaloGeometry", "WorkerHalo", "halo_spec", "normalize_params", "worker_spec"]
+__all__ = ["HaloExchange", "HaloGeometry", "HaloPlan", "WorkerHalo", "gather_global_shape",
+           "halo_exchange", "halo_spec", "normalize_params", "worker_spec"]

@@ -1,0 +1,362 @@
+"""The halo exchange operator H and its adjoint H*.
+
+Forward, per worker: the local bulk block ``x`` becomes ``[left halo | bulk trimmed of extra |
+right halo]`` in every dimension, halos holding copies of the direct neighbours' bulk. The
+exchange runs one dimension at a time in increasing order; step ``d`` sends boxes that span
+the already-exchanged extent of dims ``< d``, so corner regions arrive through two hops.
+
+Adjoint: dimensions in decreasing order, each worker packs its halo contents, sends them back
+to their owners, which ADD them into their bulk (unpack-add). The trimmed extra entries get
+no gradient of their own, only what neighbours send back.
+
+Implementation: one working buffer ``W`` per call spans, per dimension, the union of the
+worker's bulk and needed ranges. ``x`` is copied in once; each step packs its two send boxes
+with one fused kernel call (:mod:`gpudist.kernels`), exchanges them with one ``batch_p2p``,
+and unpacks both receive boxes with one fused call; the result is ``W`` restricted to the
+needed range (``W`` itself when nothing is trimmed). Send/receive buffers are allocated once
+per (dimension, dtype, device) and reused by every later call, forward and adjoint.
+In the adjoint the halo boxes are not cleared after they are sent: no later step reads them
+and the final restriction to the bulk drops them, so the operator is the same.
+
+Global padding is not part of H: the layer pads the result (zeros, or -inf for max
+pooling), or :class:`HaloExchange` does it with ``pad_value=...`` outside the linear
+operator (autograd then slices the gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..decomposition import Decomposition
+from ..errors import HaloError, ShapeError
+from ..kernels import Packer, get_packer
+from ..partition import Partition
+from ..transport.base import P2P, wait_all
+from .geometry import HaloGeometry, WorkerHalo, halo_spec
+
+Box = tuple[tuple[int, int], ...]
+TAG_BASE = 0x4A10  # halo messages: TAG_BASE + 4*dim + (0: rightward, 1: leftward, +2: adjoint)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One dimension's exchange for this worker (boxes in working-buffer coordinates)."""
+
+    dim: int
+    left: int | None   # world rank of the left neighbour
+    right: int | None
+    send: tuple[Box, Box]  # (to left, to right): my bulk that they need
+    recv: tuple[Box, Box]  # (from left, from right): my halos
+    send_n: tuple[int, int]
+    recv_n: tuple[int, int]
+
+
+def _numel(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+class HaloPlan:
+    """Everything one worker needs to exchange halos of one global shape.
+
+    ``geometry``: per-dimension :class:`HaloGeometry`; ``me``: this worker's
+    :class:`WorkerHalo` per dimension; ``work_shape``, ``bulk_box``, ``out_box``: the working
+    buffer and where the bulk and the result sit in it; ``out_shape``: the result's shape;
+    ``pads``: per dimension ``(left, right)`` global padding the local operator still needs.
+    """
+
+    def __init__(self, P: Partition, geometry: Sequence[HaloGeometry],
+                 packer: str | None = None) -> None:
+        self.P = P
+        self.geometry = tuple(geometry)
+        if len(self.geometry) != P.dim:
+            raise ShapeError(f"{len(self.geometry)} geometries for a {P.dim}-D partition")
+        for a, (g, s) in enumerate(zip(self.geometry, P.shape)):
+            if g.workers != s:
+                raise HaloError(f"dimension {a}: geometry for {g.workers} workers but the "
+                                f"partition has {s}")
+        self.prefer = packer
+        self.global_shape = tuple(g.size for g in self.geometry)
+        self.active = P.active
+        self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        if not self.active:
+            self.me: tuple[WorkerHalo, ...] = ()
+            self.steps: tuple[_Step, ...] = ()
+            return
+        me = tuple(g.worker(c) for g, c in zip(self.geometry, P.coords))
+        self.me = me
+        w0 = [w.work[0] for w in me]
+        rel = [lambda iv, a=a: (iv[0] - w0[a], iv[1] - w0[a]) for a in range(P.dim)]
+        self.work_shape = tuple(w.work[1] - w.work[0] for w in me)
+        self.bulk_box: Box = tuple(rel[a](w.bulk) for a, w in enumerate(me))
+        self.out_box: Box = tuple(rel[a](w.needed) for a, w in enumerate(me))
+        self.in_shape = tuple(w.n_inputs for w in me)
+        self.out_shape = tuple(w.local_length for w in me)
+        self.pads = tuple((w.pad_left, w.pad_right) for w in me)
+        self.identity = all(w.work == w.bulk == w.needed for w in me)
+        steps = []
+        for d in range(P.dim):
+            w = me[d]
+            if not w.exchanges:
+                continue
+
+            def box(iv: tuple[int, int], d: int = d) -> Box:
+                return tuple(self.out_box[a] if a < d else rel[a](iv) if a == d
+                             else self.bulk_box[a] for a in range(P.dim))
+
+            left, right = P.neighbors(d)
+            send = (box(w.send_left), box(w.send_right))
+            recv = (box(w.halo_left), box(w.halo_right))
+            steps.append(_Step(d, left, right, send, recv,
+                               (_numel(send[0]), _numel(send[1])),
+                               (_numel(recv[0]), _numel(recv[1]))))
+        self.steps = tuple(steps)
+
+    # -- buffers --------------------------------------------------------------
+    def buffers(self, step: _Step, dtype: torch.dtype, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(send, receive) buffers of ``step``: allocated on first use, then reused."""
+        key = (step.dim, dtype, device)
+        b = self._bufs.get(key)
+        if b is None:
+            b = (torch.empty(sum(step.send_n), dtype=dtype, device=device),
+                 torch.empty(sum(step.recv_n), dtype=dtype, device=device))
+            self._bufs[key] = b
+        return b
+
+    def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
+        """data_ptr of every cached buffer pair (to check reuse)."""
+        return {k: (s.data_ptr(), r.data_ptr()) for k, (s, r) in self._bufs.items()}
+
+    def packer(self, t: torch.Tensor) -> Packer:
+        return get_packer(t.device, t.dtype, prefer=self.prefer)
+
+    # -- the operator -----------------------------------------------------------
+    def _exchange(self, W: torch.Tensor, step: _Step, adjoint: bool) -> None:
+        tr = self.P.world.transport
+        p = self.packer(W)
+        sbuf, rbuf = self.buffers(step, W.dtype, W.device)
+        nsl, nsr = step.send_n
+        nrl, nrr = step.recv_n
+        tag = TAG_BASE + 4 * step.dim + (2 if adjoint else 0)
+        ops: list[P2P] = []
+        if not adjoint:  # bulk -> send buffer -> neighbours' halos
+            if nsl + nsr:
+                p.pack(W, step.send, out=sbuf)
+            if nsl:
+                ops.append(P2P("send", sbuf[:nsl], step.left, tag + 1))
+            if nsr:
+                ops.append(P2P("send", sbuf[nsl:], step.right, tag))
+            if nrl:
+                ops.append(P2P("recv", rbuf[:nrl], step.left, tag))
+            if nrr:
+                ops.append(P2P("recv", rbuf[nrl:], step.right, tag + 1))
+            wait_all(tr.batch_p2p(ops), tr.timeout)
+            if nrl + nrr:
+                p.unpack(rbuf, W, step.recv)
+        else:  # halos -> back to their owners, added into the bulk
+            if nrl + nrr:
+                p.pack(W, step.recv, out=rbuf)
+            if nrl:
+                ops.append(P2P("send", rbuf[:nrl], step.left, tag + 1))
+            if nrr:
+                ops.append(P2P("send", rbuf[nrl:], step.right, tag))
+            if nsl:
+                ops.append(P2P("recv", sbuf[:nsl], step.left, tag))
+            if nsr:
+                ops.append(P2P("recv", sbuf[nsl:], step.right, tag + 1))
+            wait_all(tr.batch_p2p(ops), tr.timeout)
+            if nsl + nsr:
+                p.unpack(sbuf, W, step.send, add=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """H x: bulk block -> [halo | trimmed bulk | halo] in every dimension."""
+        if not self.active:
+            return x.new_zeros((0,) * max(1, x.dim()))
+        if tuple(x.shape) != self.in_shape:
+            raise ShapeError(f"halo exchange planned for local shape {self.in_shape}, "
+                             f"got {tuple(x.shape)}")
+        if self.identity and not self.steps:
+            return x.clone(memory_format=torch.contiguous_format)
+        W = torch.empty(self.work_shape, dtype=x.dtype, device=x.device)
+        W[tuple(slice(a, b) for a, b in self.bulk_box)] = x
+        for step in self.steps:
+            self._exchange(W, step, adjoint=False)
+        return self._restrict(W, self.out_box)
+
+    def adjoint(self, dy: torch.Tensor) -> torch.Tensor:
+        """H* dy: halo contents added back into their owners' bulk (reverse order)."""
+        if tuple(dy.shape) != self.out_shape:
+            raise ShapeError(f"halo exchange adjoint expects {self.out_shape}, "
+                             f"got {tuple(dy.shape)}")
+        if self.identity and not self.steps:
+            return dy.clone(memory_format=torch.contiguous_format)
+        if self.out_box == tuple((0, n) for n in self.work_shape):
+            G = dy.clone(memory_format=torch.contiguous_format)
+        else:
+            G = torch.zeros(self.work_shape, dtype=dy.dtype, device=dy.device)
+            G[tuple(slice(a, b) for a, b in self.out_box)] = dy
+        for step in reversed(self.steps):
+            self._exchange(G, step, adjoint=True)
+        return self._restrict(G, self.bulk_box)
+
+    def _restrict(self, W: torch.Tensor, box: Box) -> torch.Tensor:
+        if box == tuple((0, n) for n in W.shape):
+            return W
+        return W[tuple(slice(a, b) for a, b in box)].contiguous()
+
+
+class _HaloFunction(torch.autograd.Function):
+    """Autograd bridge: forward H, backward H*."""
+
+    @staticmethod
+    def forward(ctx, plan: HaloPlan, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan, ctx.in_shape = plan, tuple(x.shape)
+        return plan.forward(x.detach())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        plan: HaloPlan = ctx.plan
+        if not plan.active:
+            return None, dy.new_zeros(ctx.in_shape)
+        return None, plan.adjoint(dy)
+
+
+def halo_exchange(plan: HaloPlan, x: torch.Tensor) -> torch.Tensor:
+    """Apply the halo exchange of ``plan`` to this worker's block (autograd: adjoint)."""
+    return _HaloFunction.apply(plan, x)
+
+
+class HaloExchange(torch.nn.Module):
+    """Halo exchange for a sliding-kernel operator on a tensor distributed over ``P_x``.
+
+    Kernel parameters follow :func:`gpudist.halo.geometry.normalize_params` (ints apply to
+    the spatial dims ``2:`` of a >=3-D tensor; shorter sequences align with the trailing dims;
+    a padding entry is an int or a ``(left, right)`` pair). Alternatively pass ``geometry``
+    (one :class:`HaloGeometry` per dimension).
+
+    The global shape comes from ``global_shape`` or ``geometry``, else it is found by an
+    all-gather of local shapes over ``P_x`` and cached per local shape. The cache assumes
+    every worker sees a change of global shape (e.g. a smaller last batch) as a change of its
+    own local shape; if that can fail (a batch dim split over the partition), pass
+    ``global_shape``. Bad configurations raise :class:`HaloError` on every active worker
+    (on every rank, at construction, when the shape is known up front).
+
+    ``pad_value``: ``None`` (default) returns halos and trimmed bulk only -- the layer adds
+    the global padding (``plan.pads``); a number also adds the padding, filled with it.
+    Inactive ranks take and return zero-volume tensors.
+    """
+
+    def __init__(
+        self,
+        P_x: Partition,
+        kernel_size: int | Sequence[int] = 1,
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int | tuple[int, int]] = 0,
+        dilation: int | Sequence[int] = 1,
+        *,
+        global_shape: Sequence[int] | None = None,
+        geometry: Sequence[HaloGeometry] | None = None,
+        pad_value: float | None = None,
+        packer: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.P_x = P_x
+        self.params = (kernel_size, stride, padding, dilation)
+        self.pad_value = pad_value
+        self.packer = packer
+        self._plans: dict[tuple[int, ...], HaloPlan] = {}
+        self._by_local: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.last_plan: HaloPlan | None = None
+        if geometry is not None:
+            plan = HaloPlan(P_x, geometry, packer)
+            self._plans[plan.global_shape] = plan
+            self._fixed: tuple[int, ...] | None = plan.global_shape
+        elif global_shape is not None:
+            self._fixed = tuple(int(s) for s in global_shape)
+            self.plan(self._fixed)  # raises HaloError on every rank now
+        else:
+            self._fixed = None
+
+    def plan(self, global_shape: Sequence[int]) -> HaloPlan:
+        """The (cached) plan for ``global_shape``."""
+        g = tuple(int(s) for s in global_shape)
+        p = self._plans.get(g)
+        if p is None:
+            geo = halo_spec(g, self.P_x.shape, *self.params)
+            p = HaloPlan(self.P_x, geo, self.packer)
+            self._plans[g] = p
+        return p
+
+    def global_shape_of(self, x: torch.Tensor) -> tuple[int, ...]:
+        """Global shape of the distributed tensor whose local block is ``x`` (collective
+        over ``P_x`` on the first call per local shape)."""
+        if self._fixed is not None:
+            return self._fixed
+        local = tuple(x.shape)
+        g = self._by_local.get(local)
+        if g is None:
+            g = gather_global_shape(self.P_x, x)
+            self._by_local[local] = g
+        return g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.P_x.active:
+            return halo_exchange(_inactive_plan(self.P_x), x)
+        if x.dim() != self.P_x.dim:
+            raise ShapeError(f"tensor has {x.dim()} dimensions but the partition has "
+                             f"{self.P_x.dim}: local shape {tuple(x.shape)}, partition "
+                             f"{self.P_x.shape}")
+        plan = self.plan(self.global_shape_of(x))
+        self.last_plan = plan
+        y = halo_exchange(plan, x)
+        if self.pad_value is not None and any(a or b for a, b in plan.pads):
+            flat = [v for a, b in reversed(plan.pads) for v in (a, b)]
+            y = F.pad(y, flat, value=float(self.pad_value))
+        return y
+
+
+def _inactive_plan(P: Partition) -> HaloPlan:
+    p = HaloPlan.__new__(HaloPlan)
+    p.P, p.geometry, p.active, p.me, p.steps, p._bufs = P, (), False, (), (), {}
+    p.prefer, p.global_shape, p.in_shape = None, (), (0,)
+    return p
+
+
+def gather_global_shape(P: Partition, x: torch.Tensor) -> tuple[int, ...]:
+    """All-gather local shapes over ``P``; check they form a block decomposition.
+
+    Raises :class:`ShapeError` on every member if they do not.
+    """
+    local = tuple(int(s) for s in x.shape)
+    if P.size == 1 or P.group is None:
+        return local
+    w = P.world
+    dev = x.device if w.backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor(local, dtype=torch.int64, device=dev)
+    out = torch.empty(P.size * len(local), dtype=torch.int64, device=dev)
+    w.transport.all_gather(out, mine, P.group).wait(w.timeout)
+    rows = out.cpu().view(P.size, len(local)).tolist()
+    shapes = {P.coords_of(P.ranks.index(r)): tuple(row) for r, row in zip(P.group.ranks, rows)}
+    g = []
+    for a in range(P.dim):
+        tot = 0
+        for i in range(P.shape[a]):
+            c = tuple(i if b == a else 0 for b in range(P.dim))
+            tot += shapes[c][a]
+        g.append(tot)
+    dec = Decomposition(tuple(g), P.shape)
+    bad = [(c, s) for c, s in sorted(shapes.items()) if dec.local_shape(c) != s]
+    if bad:
+        c, s = bad[0]
+        raise ShapeError(
+            f"local shapes over partition {P.shape} are not a block decomposition of "
+            f"{tuple(g)}: worker {c} holds {s}, expected {dec.local_shape(c)}"
+        )
+    return tuple(g)
