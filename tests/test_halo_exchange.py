@@ -195,17 +195,21 @@ def _reuse():
     H(x).sum().backward()
     plan = H.last_plan
     first = plan.buffer_ptrs()
-    desc_first = dict(first)
     for _ in range(3):
         H(x).square().sum().backward()
     assert H.last_plan is plan  # cached per local shape: no new all-gather, same plan
-    return first, plan.buffer_ptrs(), desc_first, len(plan.steps)
+    # the in-place form on a caller-held working buffer gives the same result
+    W = plan.allocate(x)
+    plan.bulk(W).copy_(x.detach())
+    returned_w = plan.exchange_(W) is W
+    same = returned_w and torch.equal(plan.result(W), H(x).detach())
+    return first, plan.buffer_ptrs(), same, len(plan.steps)
 
 
 def test_buffers_allocated_once_and_reused(cluster, backend):
-    for first, later, _, nsteps in cluster.run(4, _reuse, backend=backend):
+    for first, later, same, nsteps in cluster.run(4, _reuse, backend=backend):
         assert nsteps == 2 and len(first) == 2  # one buffer pair per exchanging dim
-        assert first == later
+        assert first == later and same
         assert all(s != 0 and r != 0 for s, r in first.values())
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..decomposition import Decomposition
 from ..errors import HaloError, ShapeError
 from ..kernels import Packer, get_packer
+from ..kernels.regions import collapse
 from ..partition import Partition
 from ..transport.base import P2P, wait_all
 from .geometry import HaloGeometry, WorkerHalo, halo_spec
@@ -53,6 +54,8 @@ class _Step:
     recv: tuple[Box, Box]  # (from left, from right): my halos
     send_n: tuple[int, int]
     recv_n: tuple[int, int]
+    send_run: tuple[int | None, int | None]  # flat offset in W when the box is one run
+    recv_run: tuple[int | None, int | None]
 
 
 def _numel(box: Box) -> int:
@@ -60,6 +63,18 @@ def _numel(box: Box) -> int:
     for a, b in box:
         n *= b - a
     return n
+
+
+def _run(box: Box, shape: tuple[int, ...]) -> int | None:
+    """Flat offset of ``box`` in a contiguous tensor of ``shape`` if the box is one
+    contiguous run (then it is sent/received in place, without packing), else None."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    strides.reverse()
+    base, sizes, st = collapse(box, strides)
+    return base if (len(sizes) == 1 and st == [1]) or _numel(box) <= 1 else None
 
 
 class HaloPlan:
@@ -113,9 +128,12 @@ class HaloPlan:
             left, right = P.neighbors(d)
             send = (box(w.send_left), box(w.send_right))
             recv = (box(w.halo_left), box(w.halo_right))
+            ws = self.work_shape
             steps.append(_Step(d, left, right, send, recv,
                                (_numel(send[0]), _numel(send[1])),
-                               (_numel(recv[0]), _numel(recv[1]))))
+                               (_numel(recv[0]), _numel(recv[1])),
+                               (_run(send[0], ws), _run(send[1], ws)),
+                               (_run(recv[0], ws), _run(recv[1], ws))))
         self.steps = tuple(steps)
 
     # -- buffers --------------------------------------------------------------
@@ -137,43 +155,78 @@ class HaloPlan:
     def packer(self, t: torch.Tensor) -> Packer:
         return get_packer(t.device, t.dtype, prefer=self.prefer)
 
-    # -- the operator -----------------------------------------------------------
+    # -- the operator, in place on a working buffer -----------------------------
+    def allocate(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised working buffer ``W`` (``work_shape``) for ``like``'s dtype/device."""
+        return torch.empty(self.work_shape, dtype=like.dtype, device=like.device)
+
+    def bulk(self, W: torch.Tensor) -> torch.Tensor:
+        """The view of ``W`` where this worker's bulk block lives (write the input here)."""
+        return W[tuple(slice(a, b) for a, b in self.bulk_box)]
+
+    def result(self, W: torch.Tensor) -> torch.Tensor:
+        """The view of ``W`` holding ``[halo | trimmed bulk | halo]`` after the exchange."""
+        return W[tuple(slice(a, b) for a, b in self.out_box)]
+
+    def exchange_(self, W: torch.Tensor) -> torch.Tensor:
+        """Forward H in place: fill the halos of ``W`` (bulk already written). Returns W."""
+        for step in self.steps:
+            self._exchange(W, step, adjoint=False)
+        return W
+
+    def exchange_adjoint_(self, W: torch.Tensor) -> torch.Tensor:
+        """Adjoint H* in place: add the halos of ``W`` into the owners' bulk. Returns W."""
+        for step in reversed(self.steps):
+            self._exchange(W, step, adjoint=True)
+        return W
+
     def _exchange(self, W: torch.Tensor, step: _Step, adjoint: bool) -> None:
         tr = self.P.world.transport
-        p = self.packer(W)
+        flat = W.view(-1)
         sbuf, rbuf = self.buffers(step, W.dtype, W.device)
         nsl, nsr = step.send_n
         nrl, nrr = step.recv_n
+        # pieces: (count, buffer slice, flat offset in W if the box is one contiguous run)
+        send = [(nsl, sbuf[:nsl], step.send_run[0]), (nsr, sbuf[nsl:], step.send_run[1])]
+        recv = [(nrl, rbuf[:nrl], step.recv_run[0]), (nrr, rbuf[nrl:], step.recv_run[1])]
+        if adjoint:  # the same messages, backwards: halos go out, bulk parts come in
+            send, recv = recv, send
+        out_boxes = step.recv if adjoint else step.send
+        in_boxes = step.send if adjoint else step.recv
+        peers = (step.left, step.right)
         tag = TAG_BASE + 4 * step.dim + (2 if adjoint else 0)
+        # out: pack what is not one contiguous run (one fused call for both faces)
+        pack = [(b, buf) for (k, buf, run), b in zip(send, out_boxes) if k and run is None]
+        if pack:
+            p = self.packer(W)
+            if len(pack) == 2:
+                p.pack(W, out_boxes, out=sbuf if not adjoint else rbuf)
+            else:
+                p.pack(W, (pack[0][0],), out=pack[0][1])
         ops: list[P2P] = []
-        if not adjoint:  # bulk -> send buffer -> neighbours' halos
-            if nsl + nsr:
-                p.pack(W, step.send, out=sbuf)
-            if nsl:
-                ops.append(P2P("send", sbuf[:nsl], step.left, tag + 1))
-            if nsr:
-                ops.append(P2P("send", sbuf[nsl:], step.right, tag))
-            if nrl:
-                ops.append(P2P("recv", rbuf[:nrl], step.left, tag))
-            if nrr:
-                ops.append(P2P("recv", rbuf[nrl:], step.right, tag + 1))
-            wait_all(tr.batch_p2p(ops), tr.timeout)
-            if nrl + nrr:
-                p.unpack(rbuf, W, step.recv)
-        else:  # halos -> back to their owners, added into the bulk
-            if nrl + nrr:
-                p.pack(W, step.recv, out=rbuf)
-            if nrl:
-                ops.append(P2P("send", rbuf[:nrl], step.left, tag + 1))
-            if nrr:
-                ops.append(P2P("send", rbuf[nrl:], step.right, tag))
-            if nsl:
-                ops.append(P2P("recv", sbuf[:nsl], step.left, tag))
-            if nsr:
-                ops.append(P2P("recv", sbuf[nsl:], step.right, tag + 1))
-            wait_all(tr.batch_p2p(ops), tr.timeout)
-            if nsl + nsr:
-                p.unpack(sbuf, W, step.send, add=True)
+        for i, (k, buf, run) in enumerate(send):
+            if k:  # to the left travels with tag+1, to the right with tag
+                src = buf if run is None else flat[run:run + k]
+                ops.append(P2P("send", src, peers[i], tag + (1 - i)))
+        direct_in = []
+        for i, (k, buf, run) in enumerate(recv):
+            if k:
+                dst = buf if (run is None or adjoint) else flat[run:run + k]
+                ops.append(P2P("recv", dst, peers[i], tag + i))
+                direct_in.append(run is not None and not adjoint)
+            else:
+                direct_in.append(True)
+        wait_all(tr.batch_p2p(ops), tr.timeout)
+        # in: unpack (overwrite halos) or unpack-add (into bulk) what was not received in place
+        todo = [i for i in range(2) if recv[i][0] and not direct_in[i]]
+        if todo:
+            p = self.packer(W)
+            whole = sbuf if adjoint else rbuf
+            if len(todo) == 2:
+                p.unpack(whole, W, in_boxes, add=adjoint)
+            else:
+                i = todo[0]
+                p.unpack(recv[i][1], W, (in_boxes[i],), add=adjoint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """H x: bulk block -> [halo | trimmed bulk | halo] in every dimension."""
@@ -184,10 +237,9 @@ class HaloPlan:
                              f"got {tuple(x.shape)}")
         if self.identity and not self.steps:
             return x.clone(memory_format=torch.contiguous_format)
-        W = torch.empty(self.work_shape, dtype=x.dtype, device=x.device)
-        W[tuple(slice(a, b) for a, b in self.bulk_box)] = x
-        for step in self.steps:
-            self._exchange(W, step, adjoint=False)
+        W = self.allocate(x)
+        self.bulk(W).copy_(x)
+        self.exchange_(W)
         return self._restrict(W, self.out_box)
 
     def adjoint(self, dy: torch.Tensor) -> torch.Tensor:
@@ -201,9 +253,8 @@ class HaloPlan:
             G = dy.clone(memory_format=torch.contiguous_format)
         else:
             G = torch.zeros(self.work_shape, dtype=dy.dtype, device=dy.device)
-            G[tuple(slice(a, b) for a, b in self.out_box)] = dy
-        for step in reversed(self.steps):
-            self._exchange(G, step, adjoint=True)
+            self.result(G).copy_(dy)
+        self.exchange_adjoint_(G)
         return self._restrict(G, self.bulk_box)
 
     def _restrict(self, W: torch.Tensor, box: Box) -> torch.Tensor:

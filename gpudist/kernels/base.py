@@ -72,7 +72,7 @@ class CustomPacker:
 
     def prepare(self, t: torch.Tensor, regions: Regions) -> Prepared:
         """The cached description of ``regions`` of a tensor shaped and strided like ``t``."""
-        key = (tuple(t.shape), t.stride(), t.is_complex(), _key(regions))
+        key = (t.shape, t.stride(), t.is_complex(), _key(regions))
         p = self._prep.get(key)
         if p is not None:
             self._prep.move_to_end(key)
@@ -105,7 +105,7 @@ class CustomPacker:
                              f"with >= {n} elements")
         res = out if out.numel() == n else out.reshape(-1)[:n]
         if n:
-            self._apply(src.detach(), res, prep, PACK)
+            self._apply(src.detach() if src.requires_grad else src, res, prep, PACK)
         return res
 
     def unpack(self, buf: torch.Tensor, dst: torch.Tensor, regions: Regions, add: bool = False
@@ -120,7 +120,10 @@ class CustomPacker:
         if buf.numel() < prep.n:
             raise ValueError(f"unpack buffer has {buf.numel()} elements, boxes need {prep.n}")
         if prep.n:
-            self._apply(dst.detach(), buf.reshape(-1)[:prep.n], prep, ADD if add else UNPACK)
+            if buf.numel() != prep.n or buf.dim() != 1:
+                buf = buf.reshape(-1)[:prep.n]
+            self._apply(dst.detach() if dst.requires_grad else dst, buf, prep,
+                        ADD if add else UNPACK)
         return dst
 
     def _apply(self, t: torch.Tensor, buf: torch.Tensor, prep: Prepared, mode: int) -> None:

@@ -19,7 +19,7 @@ _NATIVE_ADD = frozenset({torch.float32, torch.float64, torch.int64, torch.int32,
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
+    return (t.detach() if t.requires_grad else t).numpy()
 
 
 @njit(cache=True, nogil=True)

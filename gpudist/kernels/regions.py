@@ -67,10 +67,13 @@ def flat_base(t: torch.Tensor, word: bool) -> torch.Tensor:
 
     ``word=True`` reinterprets the elements as unsigned storage words of the same width.
     """
-    if any(s < 0 for s in t.stride()):
-        raise ValueError("negative strides are not supported")
-    span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    base = t.as_strided((span,), (1,), t.storage_offset())
+    if t.is_contiguous():
+        base = t.view(-1)
+    else:
+        if any(s < 0 for s in t.stride()):
+            raise ValueError("negative strides are not supported")
+        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        base = t.as_strided((span,), (1,), t.storage_offset())
     if word:
         base = base.view(WORD[t.element_size()])
     return base
