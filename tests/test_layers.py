@@ -230,3 +230,26 @@ def test_world_size_one_matches_torch(cluster):
     errs = cluster.run(1, _conv_case, 2, (1, 1, 1, 1), [0], (2, 3, 8, 8), 3, 2, 3, 1, 1, 1)
     assert all(v < TOL for v in errs[0].values()) and errs[0]
 
+
+
+def _seeded_init():
+    P_w = Partition.grid((2, 2))
+    P_x = Partition([P_w.world_rank_of((0, j)) for j in range(2)], (1, 2))
+    P_y = Partition([P_w.world_rank_of((i, 0)) for i in range(2)], (1, 2))
+    Pc = Partition.grid((1, 1, 2, 2))
+    torch.manual_seed(7)
+    conv = gnn.DistributedConv2d(Pc, 2, 3, 3)
+    lin = gnn.DistributedLinear(P_x, P_y, P_w, 9, 5)
+    torch.manual_seed(7)
+    sconv, slin = torch.nn.Conv2d(2, 3, 3), torch.nn.Linear(9, 5)
+    got = {**{f"c.{k}": v for k, v in conv.global_state_dict().items()},
+           **{f"l.{k}": v for k, v in lin.global_state_dict().items()}}
+    want = {"c.weight": sconv.weight, "c.bias": sconv.bias, "l.weight": slin.weight,
+            "l.bias": slin.bias}
+    return {k: bool(torch.equal(v, want[k])) for k, v in got.items()}
+
+
+def test_seeded_init_equals_sequential(cluster):
+    res = cluster.run(4, _seeded_init)
+    assert set(res[0]) == {"c.weight", "c.bias", "l.weight", "l.bias"}
+    assert all(res[0].values()), res[0]
