@@ -82,7 +82,8 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
         return LaunchEnv("mpi", int(env["PMI_RANK"]), int(env["PMI_SIZE"]),
                          _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK", default=0), addr, port)
     if "PMIX_RANK" in env and not _srun_started(env, "PMIX_RANK", "PMIX_SIZE"):
-        return LaunchEnv("mpi", int(env["PMIX_RANK"]), _int(env, "PMIX_SIZE", "PMI_SIZE", default=1),
+        size = _int(env, "PMIX_SIZE", "PMI_SIZE", default=1)
+        return LaunchEnv("mpi", int(env["PMIX_RANK"]), size,
                          _int(env, "PMIX_LOCAL_RANK", default=0), addr, port)
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         size = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", default=1)
