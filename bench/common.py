@@ -1,0 +1,388 @@
+"""Launching ranks, timing, and writing results for the bench suites.
+
+Launchers:
+
+* ``fork`` (default for gloo/nccl): fork N ranks here (``OMP_NUM_THREADS=1``) that join
+  through a gloo/nccl ``FileStore``;
+* ``mpi`` (default for ``--backend mpi``): re-exec this command under
+  ``.venv/bin/mpiexec -n N ... --launcher env``;
+* ``env``: this process is already one rank of a job started by torchrun / mpiexec / srun;
+  join from the environment (``gpudist.init``).
+
+Timing: ``warmup`` untimed calls, then ``repeats`` timed calls, each preceded by a barrier;
+each repeat's time is the max over ranks (the slowest rank defines the step), and the
+reported time is the median of those (with p25/p75 as spread). Cases that are compared are
+interleaved repeat by repeat so that machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KiB = 1024
+MiB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- CLI helpers
+def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
+    p.add_argument("--ranks", "-n", type=int, default=ranks, help="number of ranks (default %(default)s)")
+    p.add_argument("--backend", choices=["gloo", "mpi", "nccl"], default="gloo")
+    p.add_argument("--launcher", choices=["fork", "mpi", "env"], default=None,
+                   help="fork (default for gloo/nccl), mpi (default for --backend mpi), "
+                        "env (already started by torchrun/mpiexec/srun)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (nccl implies cuda)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", default="results", help="output folder (default %(default)s)")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+
+
+def device_of(args) -> str:
+    return "cuda" if args.backend == "nccl" else args.device
+
+
+# --------------------------------------------------------------------------- machine info
+def machine_info(backend: str | None = None) -> dict:
+    import torch
+
+    info = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(),
+        "torch": torch.__version__,
+        "backend": backend,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception:
+        info["git_commit"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        info["mpi4py"] = mpi4py.__version__
+        info["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception:
+        pass
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+# --------------------------------------------------------------------------- timing
+class Timer:
+    """Barrier / max-over-ranks / synchronize helpers for one rank."""
+
+    def __init__(self, world, warmup: int, repeats: int) -> None:
+        self.world = world
+        self.warmup = warmup
+        self.repeats = repeats
+        self.cuda = world.device.type == "cuda"
+
+    def barrier(self) -> None:
+        if self.world.size > 1:
+            if self.world.backend == "mpi":
+                from mpi4py import MPI
+
+                MPI.COMM_WORLD.Barrier()
+            else:
+                import torch.distributed as dist
+
+                dist.barrier()
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        if self.world.size == 1:
+            return values
+        if self.world.backend == "mpi":
+            import numpy as np
+            from mpi4py import MPI
+
+            a = np.asarray(values, dtype=np.float64)
+            out = np.empty_like(a)
+            MPI.COMM_WORLD.Allreduce(a, out, op=MPI.MAX)
+            return out.tolist()
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64,
+                         device=self.world.device if self.world.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    def time(self, fns: dict[str, Callable[[], object]]) -> dict[str, dict]:
+        """Time each callable (interleaved); {name: stats} with times in seconds."""
+        for _ in range(self.warmup):
+            for fn in fns.values():
+                self.barrier()
+                fn()
+                self.sync()
+        raw: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(self.repeats):
+            for k, fn in fns.items():
+                self.barrier()
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                raw[k].append(time.perf_counter() - t0)
+        return {k: stats(self.max_over_ranks(v)) for k, v in raw.items()}
+
+
+def stats(ts: Sequence[float]) -> dict:
+    ts = sorted(ts)
+    q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
+    return {"median_s": statistics.median(ts), "p25_s": q[0], "p75_s": q[2],
+            "min_s": ts[0], "max_s": ts[-1], "n": len(ts)}
+
+
+def progress(world, total: int, desc: str, disable: bool = False):
+    """tqdm bar on rank 0 (a no-op object elsewhere)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    if tqdm is None or world.rank != 0 or disable:
+        class _Null:
+            def update(self, n=1):
+                pass
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+        return _Null()
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+# --------------------------------------------------------------------------- output
+def write_results(out_dir: str | Path, name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
+    """``<out>/<name>.json`` (meta + rows) and ``<out>/<name>.csv`` (rows)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, cpath = out / f"{name}.json", out / f"{name}.csv"
+    jpath.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with cpath.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(v) for k, v in r.items()})
+    return jpath, cpath
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def print_table(rows: list[dict], cols: Sequence[str]) -> None:
+    cols = [c for c in cols if any(c in r for r in rows)]
+    cells = [[str(_fmt(r.get(c, ""))) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(x[i]) for x in cells]) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
+
+
+# --------------------------------------------------------------------------- launching
+SuiteFn = Callable[[argparse.Namespace, object], list[dict]]
+
+
+def _rank_main(fn: SuiteFn, args, rank: int | None, size: int | None, store_path: str | None,
+               result_path: str | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import gpudist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dev = device_of(args)
+    if rank is not None:
+        store = dist.FileStore(store_path, size)
+        world = gpudist.init(backend=args.backend, device=dev, rank=rank, world_size=size,
+                             store=store, timeout=args.timeout)
+    else:
+        world = gpudist.init(backend=args.backend, device=dev, timeout=args.timeout)
+    rows = fn(args, world)
+    if world.rank == 0 and result_path:
+        Path(result_path).write_text(json.dumps(rows, default=str))
+    Timer(world, 0, 0).barrier()
+    gpudist.finalize()
+    return rows if world.rank == 0 else None
+
+
+def _fork_child(fn, args, rank, size, store_path, result_path) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    code = 0
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(1.0, args.timeout - 2), exit=True)
+    try:
+        from gpudist import runtime
+
+        runtime._WORLD = None
+        _rank_main(fn, args, rank, size, store_path, result_path)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch_fork(fn: SuiteFn, args, n: int) -> list[dict]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch  # noqa: F401  (import once here: children inherit it)
+
+    import gpudist  # noqa: F401
+    ctx = mp.get_context("fork")
+    tmp = tempfile.mkdtemp(prefix="gpudist-bench-")
+    store, result = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
+    procs = [ctx.Process(target=_fork_child, args=(fn, args, r, n, store, result))
+             for r in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + args.timeout
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"bench ranks failed or timed out (rank, exit code): {bad}")
+        return json.loads(Path(result).read_text())
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def mpiexec() -> str:
+    cand = Path(sys.executable).parent / "mpiexec"
+    if cand.exists():
+        return str(cand)
+    exe = shutil.which("mpiexec")
+    if exe is None:
+        raise RuntimeError("mpiexec not found (install MPICH/Open MPI or use --backend gloo)")
+    return exe
+
+
+def _launch_mpi(subcommand: str, argv: list[str], n: int, timeout: float) -> list[dict]:
+    tmp = tempfile.mkdtemp(prefix="gpudist-bench-")
+    result = os.path.join(tmp, "rows.json")
+    argv = _strip(argv, {"--ranks", "-n", "--launcher"})
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "bench", subcommand, *argv,
+           "--ranks", str(n), "--launcher", "env", "--_result", result]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+        return json.loads(Path(result).read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _strip(argv: list[str], flags: set[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        out.append(a)
+    return out
+
+
+def run_suite(name: str, fn: SuiteFn, args, argv: list[str],
+              rank_counts: Sequence[int] | None = None,
+              columns: Sequence[str] = ()) -> list[dict] | None:
+    """Run ``fn(args, world)`` on each rank count, merge rank 0's rows, write JSON + CSV.
+
+    Returns the rows on the process that wrote them (None elsewhere).
+    """
+    launcher = args.launcher or ("mpi" if args.backend == "mpi" else "fork")
+    counts = list(rank_counts or [args.ranks])
+    result_path = getattr(args, "_result", None)
+    if launcher == "env":
+        rows = _rank_main(fn, args, None, None, None, result_path)
+        if rows is None or result_path:  # not rank 0, or a child of the mpi launcher
+            return None
+    else:
+        rows = []
+        for n in counts:
+            a = argparse.Namespace(**vars(args))
+            a.ranks = n
+            if launcher == "mpi":
+                sub_argv = _strip(argv, {"--ranks", "-n"})
+                rows += _launch_mpi(name, sub_argv + ["--ranks", str(n)], n, args.timeout)
+            else:
+                rows += _launch_fork(fn, a, n)
+    meta = machine_info(args.backend)
+    meta.update({"suite": name, "argv": [sys.executable, "-m", "bench", name, *argv],
+                 "ranks": counts, "launcher": launcher, "warmup": args.warmup,
+                 "repeats": args.repeats})
+    tag = f"_{args.tag}" if args.tag else ""
+    fname = f"{name}_{args.backend}_{max(counts)}r{tag}"
+    jpath, cpath = write_results(args.out, fname, rows, meta)
+    if columns:
+        print_table(rows, columns)
+    print(f"wrote {jpath} and {cpath}")
+    return rows

@@ -1,0 +1,255 @@
+"""gpudist primitives vs the raw backend call moving the same bytes.
+
+Cases (n = world size, ``size`` = bytes of the reference buffer, float32):
+
+=============  ===============================  =================================  ========
+primitive      gpudist                          raw (torch.distributed | mpi4py)   busbw
+=============  ===============================  =================================  ========
+broadcast      Broadcast root -> (n,)           broadcast | Bcast   (size bytes)   1
+sumreduce      SumReduce (n,) -> root           reduce | Reduce     (size bytes)   1
+allsumreduce   AllSumReduce((n,), axes=(0,))    all_reduce | Allreduce             2(n-1)/n
+repartition    Repartition (n,1) -> (1,n)       all_to_all_single | Alltoall       (n-1)/n
+allgather      AllGather((n,), 0, 0)            all_gather_into_tensor | Allgather (n-1)/n
+=============  ===============================  =================================  ========
+
+``size`` follows nccl-tests: the per-rank buffer for broadcast/reduce/all-reduce/all-to-all,
+the gathered (output) buffer for all-gather. ``fwd`` times the forward; ``fwd+adj`` times
+forward + backward (the adjoint: reduce for broadcast, broadcast for reduce, ...), compared
+with the raw forward call followed by the raw adjoint call. ``hint`` says whether the
+shape hint (``shape=`` / ``global_shape=``) was given (no per-call metadata exchange).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import KiB, MiB, Timer, add_common_args, progress, run_suite
+
+PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "allgather"]
+BUSBW = {"broadcast": lambda n: 1.0, "sumreduce": lambda n: 1.0,
+         "allsumreduce": lambda n: 2 * (n - 1) / n, "repartition": lambda n: (n - 1) / n,
+         "allgather": lambda n: (n - 1) / n}
+
+
+def sizes_of(args) -> list[int]:
+    if args.sizes:
+        return [_parse(s) for s in args.sizes]
+    if args.quick:
+        return [4 * KiB, 64 * KiB]
+    out, s = [], 4 * KiB
+    while s <= args.max_size:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def _parse(s: str) -> int:
+    s = s.strip().lower()
+    mult = {"k": KiB, "m": MiB, "g": 1024 * MiB}
+    for suf in ("kib", "mib", "gib", "k", "m", "g"):
+        if s.endswith(suf):
+            return int(float(s[: -len(suf)]) * mult[suf[0]])
+    return int(s)
+
+
+class _Raw:
+    """Raw backend calls on preallocated buffers (torch.distributed or mpi4py)."""
+
+    def __init__(self, world) -> None:
+        self.mpi = world.backend == "mpi"
+        if self.mpi:
+            from mpi4py import MPI
+
+            self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        else:
+            import torch.distributed as dist
+
+            self.dist = dist
+
+    @staticmethod
+    def _np(t):
+        return t.detach().numpy()
+
+    def broadcast(self, buf):
+        if self.mpi:
+            self.comm.Bcast(self._np(buf), root=0)
+        else:
+            self.dist.broadcast(buf, 0)
+
+    def reduce(self, buf, out):
+        if self.mpi:
+            self.comm.Reduce(self._np(buf), self._np(out), op=self.MPI.SUM, root=0)
+        else:
+            self.dist.reduce(buf, 0)
+
+    def all_reduce(self, buf, out):
+        if self.mpi:
+            self.comm.Allreduce(self._np(buf), self._np(out), op=self.MPI.SUM)
+        else:
+            self.dist.all_reduce(buf)
+
+    def all_to_all(self, out, buf):
+        if self.mpi:
+            self.comm.Alltoall(self._np(buf), self._np(out))
+        else:
+            self.dist.all_to_all_single(out, buf)
+
+    def all_gather(self, out, buf):
+        if self.mpi:
+            self.comm.Allgather(self._np(buf), self._np(out))
+        else:
+            self.dist.all_gather_into_tensor(out, buf)
+
+
+def _cases(prim: str, size: int, world, hint: bool):
+    """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj) closures."""
+    import torch
+
+    from gpudist import Partition
+    from gpudist.primitives import AllGather, AllSumReduce, Broadcast, Repartition, SumReduce
+
+    n, r = world.size, world.rank
+    dev = world.device
+    numel = size // 4
+    raw = _Raw(world)
+    f32 = dict(dtype=torch.float32, device=dev)
+    P = Partition.grid((n,))
+    root = Partition.root(1, 0)
+    full = torch.rand(numel, **f32)
+    other = torch.empty(numel, **f32)
+    empty = torch.empty(0, **f32)
+
+    if prim == "broadcast":
+        op = Broadcast(root, P, shape=(numel,) if hint else None)
+        x = full if r == 0 else empty
+        dy = torch.rand(numel, **f32)
+
+        def rf():
+            raw.broadcast(full)
+
+        def ra():
+            raw.broadcast(full)
+            raw.reduce(dy, other)
+    elif prim == "sumreduce":
+        op = SumReduce(P, root, shape=(numel,) if hint else None)
+        x = full
+        dy = torch.rand(numel, **f32) if r == 0 else empty
+
+        def rf():
+            raw.reduce(full, other)
+
+        def ra():
+            raw.reduce(full, other)
+            raw.broadcast(other)
+    elif prim == "allsumreduce":
+        op = AllSumReduce(P, axes=(0,))
+        x = full
+        dy = torch.rand(numel, **f32)
+
+        def rf():
+            raw.all_reduce(full, other)
+
+        def ra():
+            raw.all_reduce(full, other)
+            raw.all_reduce(dy, other)
+    elif prim == "repartition":
+        m = max(1, numel // n)
+        g = (n * m, n)  # local in (m, n) on (n,1); local out (n*m, 1) on (1,n)
+        op = Repartition(Partition.grid((n, 1)), Partition.grid((1, n)),
+                         global_shape=g if hint else None)
+        x = torch.rand(m, n, **f32)
+        dy = torch.rand(n * m, 1, **f32)
+        src = x.reshape(-1).contiguous()
+        dst = torch.empty_like(src)
+
+        def rf():
+            raw.all_to_all(dst, src)
+
+        def ra():
+            raw.all_to_all(dst, src)
+            raw.all_to_all(src, dst)
+    elif prim == "allgather":
+        m = max(1, numel // n)
+        op = AllGather(P, 0, 0)
+        x = torch.rand(m, **f32)
+        dy = torch.rand(n * m, **f32)
+        gout = torch.empty(n * m, **f32)
+
+        def rf():
+            raw.all_gather(gout, x)
+
+        def ra():
+            # adjoint of all-gather is reduce-scatter; gloo has none, so the raw pair is
+            # all-gather + all-reduce of the gathered buffer (an upper bound on raw work)
+            raw.all_gather(gout, x)
+            raw.all_reduce(dy, gout)
+    else:
+        raise ValueError(prim)
+
+    # every rank requires grad (zero-volume inputs too) so that every rank runs the adjoint
+    xg = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        y0 = op(x)
+    if tuple(dy.shape) != tuple(y0.shape):
+        dy = torch.rand_like(y0)
+
+    def gf():
+        with torch.no_grad():
+            op(x)
+
+    def ga():
+        op(xg).backward(dy)
+
+    return gf, ga, rf, ra
+
+
+def run(args, world) -> list[dict]:
+    n = world.size
+    timer = Timer(world, args.warmup, args.repeats)
+    prims = args.prims or PRIMS
+    sizes = sizes_of(args)
+    hints = [True, False] if not args.no_hint_compare else [True]
+    bar = progress(world, len(prims) * len(sizes) * len(hints), f"primitives {world.backend} x{n}",
+                   args.no_progress)
+    rows = []
+    for prim in prims:
+        for size in sizes:
+            for hint in hints:
+                gf, ga, rf, ra = _cases(prim, size, world, hint)
+                res = timer.time({"g_fwd": gf, "r_fwd": rf, "g_adj": ga, "r_adj": ra})
+                for mode, g, r in (("fwd", "g_fwd", "r_fwd"), ("fwd+adj", "g_adj", "r_adj")):
+                    tg, tr = res[g]["median_s"], res[r]["median_s"]
+                    passes = 1 if mode == "fwd" else 2
+                    algbw = passes * size / tr / 1e9
+                    rows.append({
+                        "primitive": prim, "backend": world.backend, "ranks": n,
+                        "bytes": size, "mode": mode, "hint": hint,
+                        "gpudist_ms": tg * 1e3, "raw_ms": tr * 1e3, "ratio": tg / tr,
+                        "gpudist_p25_ms": res[g]["p25_s"] * 1e3,
+                        "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
+                        "raw_p25_ms": res[r]["p25_s"] * 1e3, "raw_p75_ms": res[r]["p75_s"] * 1e3,
+                        "gpudist_algbw_GBs": passes * size / tg / 1e9,
+                        "gpudist_busbw_GBs": passes * size / tg / 1e9 * BUSBW[prim](n),
+                        "raw_algbw_GBs": algbw, "raw_busbw_GBs": algbw * BUSBW[prim](n),
+                    })
+                bar.update()
+                bar.set_postfix_str(f"{prim} {size // KiB} KiB")
+    bar.close()
+    return rows
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_common_args(p)
+    p.add_argument("--prims", nargs="*", choices=PRIMS, default=None)
+    p.add_argument("--sizes", nargs="*", default=None, help="e.g. 1MiB 64MiB (default: sweep)")
+    p.add_argument("--max-size", type=_parse, default=64 * MiB)
+    p.add_argument("--no-hint-compare", action="store_true",
+                   help="only time with shape hints (skip the metadata-exchange variant)")
+
+
+COLUMNS = ["primitive", "bytes", "mode", "hint", "gpudist_ms", "raw_ms", "ratio",
+           "gpudist_busbw_GBs", "raw_busbw_GBs"]
+
+
+def main(args, argv) -> None:
+    run_suite("primitives", run, args, argv, columns=COLUMNS)
