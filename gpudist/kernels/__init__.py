@@ -7,7 +7,9 @@ A packer copies several boxes of an N-D tensor into one contiguous buffer and ba
 * ``unpack(buf, dst, regions, add=True)``: ``dst[boxes] += buf``: the adjoint of "pack then
   send", used by the backward pass of a halo exchange.
 
-``regions`` is a list of boxes, each a ``(start, stop)`` pair per tensor dimension.
+``regions`` is a list of boxes, each a ``(start, stop)`` pair per tensor dimension. Boxes
+may overlap for ``pack``; for ``unpack`` they must be disjoint (the kernels write them in
+parallel, in no particular order) -- halo boxes always are.
 Implementations: ``torch`` (portable, any device/dtype), ``numba`` (``@njit`` on CPU,
 ``numba.cuda`` on GPUs) and ``cupy`` (CUDA C++ from ``csrc/halo_pack.cu``). The custom
 kernels fuse all boxes of one call in one loop nest / launch; where one cannot serve a dtype

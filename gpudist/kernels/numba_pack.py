@@ -108,7 +108,7 @@ class NumbaCUDAPacker(CustomPacker):
     def __init__(self) -> None:
         super().__init__()
         if simulator():
-            self.threads, self.max_blocks = 32, 4
+            self.threads, self.max_blocks = 8, 2  # simulator: each thread is a Python thread
 
     def device_ok(self, device: torch.device) -> bool:
         if simulator():
