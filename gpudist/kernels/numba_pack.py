@@ -22,6 +22,27 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.detach() if t.requires_grad else t).numpy()
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _row(base, buf, off, b, n, st, mode):  # pragma: no cover - compiled
+    """One row of ``n`` elements: tensor stride ``st`` from ``off``, buffer from ``b``."""
+    if st == 1 and n >= 32:  # long contiguous row: slice copies (vectorised)
+        if mode == 0:
+            buf[b:b + n] = base[off:off + n]
+        elif mode == 1:
+            base[off:off + n] = buf[b:b + n]
+        else:
+            base[off:off + n] += buf[b:b + n]
+    elif mode == 0:
+        for j in range(n):
+            buf[b + j] = base[off + j * st]
+    elif mode == 1:
+        for j in range(n):
+            base[off + j * st] = buf[b + j]
+    else:
+        for j in range(n):
+            base[off + j * st] += buf[b + j]
+
+
 @njit(cache=True, nogil=True)
 def _boxes_cpu(base, buf, desc, ndim, mode):  # pragma: no cover - compiled
     """Rows of ``desc``: buf_off, count, base_off, size[ndim], stride[ndim] (see regions)."""
@@ -35,20 +56,20 @@ def _boxes_cpu(base, buf, desc, ndim, mode):  # pragma: no cover - compiled
             continue
         inner = desc[p + 2 + D]
         st_in = desc[p + 2 + 2 * D]
+        off = desc[p + 2]  # offset of the current row's first element
+        if D == 1:
+            _row(base, buf, off, boff, inner, st_in, mode)
+            continue
+        if D == 2:
+            st0 = desc[p + 3 + D]
+            for r in range(desc[p + 3]):
+                _row(base, buf, off + r * st0, boff + r * inner, inner, st_in, mode)
+            continue
         for d in range(D):
             idx[d] = 0
-        off = desc[p + 2]  # offset of the current row's first element
         b = boff
         while b < boff + count:
-            if mode == 0:
-                for j in range(inner):
-                    buf[b + j] = base[off + j * st_in]
-            elif mode == 1:
-                for j in range(inner):
-                    base[off + j * st_in] = buf[b + j]
-            else:
-                for j in range(inner):
-                    base[off + j * st_in] += buf[b + j]
+            _row(base, buf, off, b, inner, st_in, mode)
             b += inner
             # odometer over the outer dims (no divisions)
             d = D - 2
