@@ -43,7 +43,8 @@ MiB = 1024 * 1024
 
 # --------------------------------------------------------------------------- CLI helpers
 def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
-    p.add_argument("--ranks", "-n", type=int, default=ranks, help="number of ranks (default %(default)s)")
+    p.add_argument("--ranks", "-n", type=int, default=ranks,
+                   help="number of ranks (default %(default)s)")
     p.add_argument("--backend", choices=["gloo", "mpi", "nccl"], default="gloo")
     p.add_argument("--launcher", choices=["fork", "mpi", "env"], default=None,
                    help="fork (default for gloo/nccl), mpi (default for --backend mpi), "
@@ -200,7 +201,8 @@ def progress(world, total: int, desc: str, disable: bool = False):
 
 
 # --------------------------------------------------------------------------- output
-def write_results(out_dir: str | Path, name: str, rows: list[dict], meta: dict) -> tuple[Path, Path]:
+def write_results(out_dir: str | Path, name: str, rows: list[dict],
+                  meta: dict) -> tuple[Path, Path]:
     """``<out>/<name>.json`` (meta + rows) and ``<out>/<name>.csv`` (rows)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
