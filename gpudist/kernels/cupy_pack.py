@@ -1,7 +1,8 @@
 """CUDA C++ pack/unpack kernels (``csrc/halo_pack.cu``) loaded with ``cupy.RawModule``.
 
 One launch per call covers every box (grid ``(gx, nboxes)``), on torch's current stream;
-tensors are handed over zero-copy through ``__cuda_array_interface__``. Copies use storage
+the kernels get raw device pointers (no copy, no per-call CuPy arrays), and each call's box
+descriptor is uploaded once and cached. Copies use storage
 words (u8/u16/u32/u64, any dtype); adds exist for float, double, half, bfloat16 and the
 integer types.
 """
@@ -9,12 +10,13 @@ integer types.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .base import ADD, PACK, UNPACK, CustomPacker
+from .base import _REAL, ADD, PACK, CustomPacker
 
 _WORD_T = {1: "u8", 2: "u16", 4: "u32", 8: "u64"}
 _ADD_T = {torch.float32: "float", torch.float64: "double", torch.float16: "f16",
@@ -50,6 +52,16 @@ def cupy_available() -> bool:
         return False
 
 
+class _TorchStream:
+    """A raw CUDA stream handle exposing the CUDA stream protocol."""
+
+    def __init__(self, ptr: int, dev: int) -> None:
+        self.ptr, self.dev = ptr, dev
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 class CupyPacker(CustomPacker):
     """Fused pack/unpack with the CUDA C++ kernels (compiled once per device by NVRTC)."""
 
@@ -65,6 +77,8 @@ class CupyPacker(CustomPacker):
         self.cp = cupy
         self._modules: dict[int, object] = {}
         self._kernels: dict[tuple[int, str], object] = {}
+        self._by_mode: dict[tuple[int, int, torch.dtype], object] = {}
+        self._streams: dict[int, object] = {}
 
     def device_ok(self, device: torch.device) -> bool:
         return device.type == "cuda"
@@ -87,33 +101,48 @@ class CupyPacker(CustomPacker):
             self._kernels[(dev, name)] = k
         return k
 
-    def _run(self, base, buf, prep, mode):
-        cp = self.cp
-        dev = base.device.index if base.device.index is not None else torch.cuda.current_device()
-        if mode == ADD:
-            name = f"halo_unpack_add<{_ADD_T[base.dtype]}>"
-        else:
-            w = _WORD_T[base.element_size()]
-            name = f"halo_pack<{w}>" if mode == PACK else f"halo_unpack<{w}>"
-        gx = max(1, min(self.max_blocks, (prep.biggest + self.threads - 1) // self.threads))
-        with cp.cuda.Device(dev):
+    def _apply(self, t: torch.Tensor, buf: torch.Tensor, prep, mode: int) -> None:
+        # only pointers are needed: no flat views, no CuPy arrays per call
+        real = _REAL.get(t.dtype, t.dtype)
+        dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        kern = self._by_mode.get((dev, mode, real))
+        if kern is None:
+            if mode == ADD:
+                name = f"halo_unpack_add<{_ADD_T[real]}>"
+            else:
+                w = _WORD_T[torch.empty(0, dtype=real).element_size()]
+                name = f"halo_pack<{w}>" if mode == PACK else f"halo_unpack<{w}>"
             kern = self._kernel(dev, name)
-            stream = cp.cuda.ExternalStream(torch.cuda.current_stream(base.device).cuda_stream)
-            with stream:
-                desc = prep.uploaded.get(("cupy", dev))
-                if desc is None:
-                    desc = cp.asarray(prep.desc)
-                    prep.uploaded[("cupy", dev)] = desc
-                kern((gx, prep.nboxes), (self.threads,),
-                     (self._raw(base), self._raw(buf), desc, np.int32(prep.ndim)))
+            self._by_mode[(dev, mode, real)] = kern
+        up = prep.uploaded.get(("cupy", dev))
+        if up is None:
+            with self.cp.cuda.Device(dev):
+                arr = self.cp.asarray(prep.desc)
+            gx = max(1, min(self.max_blocks, (prep.biggest + self.threads - 1) // self.threads))
+            up = (arr, np.uint64(arr.data.ptr), (gx, prep.nboxes), np.int32(prep.ndim))
+            prep.uploaded[("cupy", dev)] = up
+        _, desc_ptr, grid, ndim = up
+        sptr = torch.cuda.current_stream(t.device).cuda_stream
+        args = (np.uint64(t.data_ptr()), np.uint64(buf.data_ptr()), desc_ptr, ndim)
+        if dev == torch.cuda.current_device() and sptr == 0 \
+                and self.cp.cuda.get_current_stream().ptr == 0:
+            kern(grid, (self.threads,), args)  # fast path: default stream, current device
+            return
+        with self.cp.cuda.Device(dev), self._stream(sptr, dev):
+            kern(grid, (self.threads,), args)
 
-    def _raw(self, t: torch.Tensor):
-        """A byte array over ``t``'s memory (no copy, no stream sync): the kernel's pointer."""
-        cp = self.cp
-        nbytes = max(1, t.numel() * t.element_size())
-        mem = cp.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index or 0)
-        return cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+    def _stream(self, ptr: int, dev: int):
+        """CuPy's handle on torch's current stream (cached per stream)."""
+        s = self._streams.get(ptr)
+        if s is None:
+            try:  # CuPy >= 14: the CUDA stream protocol
+                s = self.cp.cuda.Stream.from_external(_TorchStream(ptr, dev))
+            except Exception:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    s = self.cp.cuda.ExternalStream(ptr, dev)
+            self._streams[ptr] = s
+        return s
 
 
-__all__ = ["ADD", "PACK", "UNPACK", "CupyPacker", "cupy_available", "name_expressions",
-           "source_path"]
+__all__ = ["CupyPacker", "cupy_available", "name_expressions", "source_path"]

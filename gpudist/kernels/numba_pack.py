@@ -128,6 +128,8 @@ class NumbaCUDAPacker(CustomPacker):
 
     def __init__(self) -> None:
         super().__init__()
+        self._usable: bool | None = None
+        self.error: str | None = None
         if simulator():
             self.threads, self.max_blocks = 8, 2  # simulator: each thread is a Python thread
 
@@ -136,10 +138,22 @@ class NumbaCUDAPacker(CustomPacker):
             return device.type == "cpu"
         if device.type != "cuda":
             return False
-        try:
-            return bool(_cuda().is_available())
-        except Exception:  # pragma: no cover - broken driver
-            return False
+        return self.usable()
+
+    def usable(self) -> bool:
+        """Whether numba.cuda sees a GPU and can compile and run the kernel here (checked
+        once with a one-element launch; the reason for a 'no' is kept in ``self.error``)."""
+        if self._usable is None:
+            try:
+                if not _cuda().is_available():
+                    raise RuntimeError("numba.cuda sees no GPU")
+                t = torch.zeros(1, device="cuda", dtype=torch.float32)
+                self._usable = True
+                self.pack(t, (((0, 1),),))
+                torch.cuda.synchronize()
+            except Exception as e:  # broken toolkit / numba-cuda / numpy combinations
+                self._usable, self.error = False, f"{type(e).__name__}: {e}"
+        return self._usable
 
     def _run(self, base, buf, prep, mode):
         kern = _kernel()
