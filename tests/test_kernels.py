@@ -352,3 +352,19 @@ def test_autotune_records_a_measured_choice(monkeypatch):
     assert get_packer("cpu", torch.float32).name == name
     # another dtype is not affected until tuned
     assert ("cpu", torch.float64) not in kernels._TUNED
+
+
+# ---------------------------------------------------------------- benchmark smoke test
+
+
+def test_bench_kernels_writes_json_and_csv(tmp_path):
+    from bench.kernels import main
+
+    assert main(["--device", "cpu", "--quick", "--impls", "torch", "--dims", "3",
+                 "--widths", "1", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    ops = {(r["impl"], r["op"]) for r in data["rows"]}
+    assert ops == {("copy", "copy"), ("torch", "pack"), ("torch", "unpack"),
+                   ("torch", "unpack-add")}
+    assert all(r["time_us"] > 0 and r["bytes"] == 2 * 2 * 4 * 32 * 4 for r in data["rows"])
+    assert (tmp_path / "kernels_cpu.csv").read_text().startswith("impl,op,device")
