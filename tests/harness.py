@@ -187,8 +187,17 @@ class MPIPool(Pool):
             cwd=ROOT, env=env, start_new_session=True,
         )
         conns: dict[int, Connection] = {}
+        # never hang if mpiexec fails to start: the accept has a deadline
+        self.listener._listener._socket.settimeout(float(os.environ.get(
+            "GPUDIST_TEST_MPI_START_TIMEOUT", "120")))
         for _ in range(size):
-            c = self.listener.accept()
+            try:
+                c = self.listener.accept()
+            except OSError as e:
+                if self.proc.poll() is None:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.listener.close()
+                raise RuntimeError(f"mpiexec -n {size} did not start its ranks: {e}") from e
             conns[c.recv()] = c
         self.conns = [conns[i] for i in range(size)]
 
