@@ -38,6 +38,7 @@ BCAST_CASES = [
     (6, (2, 1), [0, 3], (3, 2), [0, 1, 2, 3, 4, 5], True),
     (4, (1, 1), [3], (1, 3), [0, 1, 2], False),
     (3, (1,), [1], (1,), [1], False),
+    (8, (1, 2, 1, 2), [0, 1, 2, 3], (2, 2, 1, 2), [7, 6, 5, 4, 3, 2, 1, 0], False),
 ]
 
 
@@ -115,6 +116,10 @@ REPART_CASES = [
     (2, (3, 3, 3), (1, 2, 1), [0, 1], (1, 2, 1), [0, 1]),
     (6, (2, 8, 3), (1, 4, 1), [0, 1, 2, 3], (1, 2, 1), [4, 5]),
 ]
+REPART_4D = [  # 4-D partitions on 8 ranks, uneven everywhere
+    (8, (5, 7, 3, 9), (2, 2, 1, 2), list(range(8)), (1, 2, 2, 2), [7, 6, 5, 4, 3, 2, 1, 0]),
+    (8, (3, 5, 4, 6), (1, 1, 1, 1), [6], (2, 1, 2, 2), list(range(8))),
+]
 
 
 def _repart_case(gshape, in_shape, in_ranks, out_shape, out_ranks):
@@ -129,7 +134,8 @@ def _repart_case(gshape, in_shape, in_ranks, out_shape, out_ranks):
     return ok, m
 
 
-@pytest.mark.parametrize("case", REPART_CASES, ids=lambda c: f"{c[0]}r-{c[2]}to{c[4]}")
+@pytest.mark.parametrize("case", REPART_CASES + REPART_4D,
+                         ids=lambda c: f"{c[0]}r-{c[2]}to{c[4]}")
 def test_repartition(cluster, backend, case):
     n, *args = case
     for r, (ok, m) in enumerate(cluster.run(n, _repart_case, *args, backend=backend)):
