@@ -88,14 +88,12 @@ def machine_info(backend: str | None = None) -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
-    try:
-        import mpi4py
-        from mpi4py import MPI
-
-        info["mpi4py"] = mpi4py.__version__
+    # Only when this run already uses MPI: importing mpi4py.MPI calls MPI_Init, and on one
+    # rank alone under a PMI launcher (srun --mpi=pmi2) that waits for peers that have exited.
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None:
+        info["mpi4py"] = sys.modules["mpi4py"].__version__
         info["mpi"] = MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:
-        pass
     return info
 
 

@@ -98,7 +98,8 @@ class _Raw:
         if self.mpi:
             self.comm.Allgather(self._np(buf), self._np(out))
         else:
-            self.dist.all_gather_into_tensor(out, buf)
+            (getattr(self.dist, "all_gather_single", None)
+             or self.dist.all_gather_into_tensor)(out, buf)
 
 
 def _cases(prim: str, size: int, world, hint: bool):

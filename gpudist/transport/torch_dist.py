@@ -15,6 +15,9 @@ import torch.distributed as dist
 from ..errors import CommTimeout
 from .base import P2P, Group, Transport, Work
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _wait(work: dist.Work, what: str):
     def fn(timeout: float) -> None:
@@ -110,7 +113,7 @@ class TorchDistTransport(Transport):
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
         so, oo = self._stage(out)
         si, _ = self._stage(tensor)
-        w = dist.all_gather_into_tensor(so, si, group=group.handle, async_op=True)
+        w = _all_gather_single(so, si, group=group.handle, async_op=True)
         return self._work(w, f"all-gather over {group.ranks}", so, oo, True)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group: Group) -> Work:
