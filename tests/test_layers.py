@@ -82,6 +82,125 @@ def test_conv_mpi(cluster):
         assert all(v < TOL for v in errs.values()), errs
 
 
+def _conv_general_case(nd, w_shape, w_ranks, x_ranks, y_ranks, gshape, cin, cout, k, s, p,
+                       d, groups=1, calls=1):
+    """General form: x on P_x (P_b, P_ci, sp..), weights on P_w (P_b, P_co, P_ci, sp..), y on
+    P_y (P_b, P_co, sp..) (``y_ranks`` None: the default, P_w's ci = 0 workers)."""
+    torch.manual_seed(0)
+    pb, pco, pci, sp = w_shape[0], w_shape[1], w_shape[2], tuple(w_shape[3:])
+    P_w = Partition(w_ranks, w_shape) if w_ranks is not None else None
+    P_x = Partition(x_ranks, (pb, pci) + sp)
+    P_y = Partition(y_ranks, (pb, pco) + sp) if y_ranks is not None else None
+    cls = {1: gnn.DistributedConv1d, 2: gnn.DistributedConv2d, 3: gnn.DistributedConv3d}[nd]
+    seqcls = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[nd]
+    seq = seqcls(cin, cout, k, s, p, d, groups=groups, dtype=torch.float64)
+    layer = cls(P_x, cin, cout, k, s, p, d, groups, P_w=P_w, P_y=P_y, dtype=torch.float64)
+    layer.load_global_state_dict(seq.state_dict())
+    P_y = layer.P_y
+    errs = {}
+    for call in range(calls):  # later calls: another global shape through the same layer
+        g = tuple(gshape[:2]) + tuple(x + 2 * call for x in gshape[2:])
+        G = global_tensor(g, seed=1 + call)
+        x = block_of(G, P_x).requires_grad_(True)
+        layer.zero_grad()
+        seq.zero_grad()
+        y = layer(x)
+        Gs = G.clone().requires_grad_(True)
+        Y = seq(Gs)
+        dY = global_tensor(Y.shape, seed=2 + call)
+        y.backward(block_of(dY, P_y) if P_y.active else zero_volume(y.dim(), like=y))
+        Y.backward(dY)
+        yg, root = _gather(y, P_y, Y.shape)
+        dxg, rootx = _gather(x.grad if x.grad is not None else torch.zeros_like(x), P_x, g)
+        grads = layer.global_grads()
+        if root.active:
+            errs[f"y{call}"] = _maxerr(yg, Y.detach())
+        if rootx.active:
+            errs[f"dx{call}"] = _maxerr(dxg, Gs.grad)
+        if grads:
+            errs[f"dw{call}"] = _maxerr(grads["weight"], seq.weight.grad)
+            errs[f"db{call}"] = _maxerr(grads["bias"], seq.bias.grad)
+    return errs
+
+
+GENERAL_CASES = [
+    # world, nd, P_w shape, P_w ranks, P_x ranks, P_y ranks, global shape, cin, cout, k, s, p, d
+    # channel-only: ci split 2, co split 2; x on the co=0 fibre, y on the default ci=0 workers
+    (4, 2, (1, 2, 2, 1, 1), [0, 1, 2, 3], [0, 1], None, (2, 5, 9, 8), 5, 3, 3, 1, 1, 1),
+    # general: channels and space, x and y on other (reordered) ranks than the weights
+    (8, 2, (1, 2, 2, 2, 1), list(range(8)), [7, 6, 5, 4], [0, 1, 2, 3], (2, 5, 11, 7), 5, 3,
+     3, 2, 1, 1),
+    # batch (data parallel) x input channels
+    (4, 2, (2, 1, 2, 1, 1), [0, 1, 2, 3], [0, 1, 2, 3], None, (3, 4, 7, 6), 4, 2, 3, 1, 0, 1),
+    # inactive ranks 0, 1 hold only x; dilation, even kernel
+    (6, 1, (1, 2, 1, 2), [5, 4, 3, 2], [0, 1], [2, 3, 4, 5], (2, 3, 23), 3, 5, 4, 1, 2, 2),
+    # 3-D, ci split with space split, y default
+    (4, 3, (1, 1, 2, 1, 1, 2), [0, 1, 2, 3], [0, 1, 2, 3], None, (1, 3, 5, 4, 9), 3, 2, 3,
+     1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", GENERAL_CASES,
+                         ids=lambda c: f"{c[1]}d-Pw{'x'.join(map(str, c[2]))}")
+def test_conv_general_equivalence(cluster, case):
+    n, *args = case
+    res = cluster.run(n, _conv_general_case, *args)
+    keys = set()
+    for errs in res:
+        keys |= set(errs)
+        for k, v in errs.items():
+            assert v < TOL, (k, v)
+    assert keys == {"y0", "dx0", "dw0", "db0"}, keys
+
+
+def test_conv_general_mpi_and_second_shape(cluster):
+    """MPI transport; the same layer called on two global shapes in a row."""
+    n, *args = GENERAL_CASES[1]
+    res = cluster.run(n, _conv_general_case, *args, calls=2, backend="mpi")
+    keys = set()
+    for errs in res:
+        keys |= set(errs)
+        assert all(v < TOL for v in errs.values()), errs
+    assert {"y1", "dx1", "dw1", "db1"} <= keys
+
+
+def test_conv_groups_and_same_padding(cluster):
+    """Feature-only form with groups and padding='same' (asymmetric for an even kernel)."""
+    a = cluster.run(4, _conv_general_case, 2, (1, 1, 1, 2, 2), None, [0, 1, 2, 3], None,
+                    (2, 4, 9, 10), 4, 6, 3, 1, 1, 1, groups=2)
+    b = cluster.run(3, _conv_general_case, 1, (1, 1, 1, 3), None, [0, 1, 2], None,
+                    (2, 2, 16), 2, 3, 4, 1, "same", 1)
+    for errs in a + b:
+        assert all(v < TOL for v in errs.values()), errs
+    assert a[0] and b[0]
+
+
+def _bad_conv(which):
+    if which == "groups":
+        P_w = Partition.grid((1, 1, 2, 1, 2))
+        P_x = Partition.grid((1, 2, 1, 2))
+        gnn.DistributedConv2d(P_x, 4, 4, 3, groups=2, P_w=P_w)
+    elif which == "P_x":
+        P_w = Partition.grid((1, 2, 2, 1, 1))
+        gnn.DistributedConv2d(Partition.grid((1, 1, 2, 2)), 4, 4, 3, P_w=P_w)
+    elif which == "channels":
+        gnn.DistributedConv2d(Partition.grid((1, 2, 1, 2)), 4, 4, 3)
+    elif which == "padding_mode":
+        gnn.DistributedConv2d(Partition.grid((1, 1, 2, 2)), 4, 4, 3, padding_mode="reflect")
+    elif which == "local_shape":
+        P_w = Partition.grid((1, 1, 2, 1, 2))
+        layer = gnn.DistributedConv2d(Partition.grid((1, 2, 1, 2)), 5, 4, 3, P_w=P_w)
+        layer(torch.zeros(1, 2, 4, 4))  # 5 channels over 2 workers: 4 given
+
+
+@pytest.mark.parametrize("which,err", [
+    ("groups", "PartitionError"), ("P_x", "PartitionError"), ("channels", "PartitionError"),
+    ("padding_mode", "ValueError"), ("local_shape", "ShapeError")])
+def test_conv_bad_input_errors_on_every_rank(cluster, which, err):
+    errs = cluster.run(4, _bad_conv, which, expect_error=True)
+    assert all(e is not None and e.type == err for e in errs), errs
+
+
 def _pool_case(kind, nd, pshape, ranks, gshape, k, s, p, d):
     P = Partition(ranks, pshape)
     if kind == "max":
@@ -216,7 +335,7 @@ def _loss_case_named(k, torch_name):
 
 def _bad_kernel():
     P = Partition.grid((1, 1, 4))
-    layer = gnn.DistributedMaxPool1d(P, 9, 1, 0)  # halo wider than a 2-entry neighbour
+    layer = gnn.DistributedMaxPool1d(P, 7, 1, 3)  # a 3-entry halo, neighbours own 2
     x = block_of(global_tensor((1, 1, 8)), P)
     layer(x)
 

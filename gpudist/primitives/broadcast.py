@@ -77,39 +77,62 @@ class FanPlan:
         return self._meta
 
     # -- the two directions ---------------------------------------------------
+    def _first_as_one(self) -> bool:
+        """Whether this rank's 'one' fan comes before its 'many' fan in ``self.fans``.
+
+        Two fans can share a communicator (same member set, different roots, e.g. two ranks
+        swapping blocks); every rank must post their collectives in the same order.
+        """
+        if self.mine_one is None or self.mine_many is None:
+            return True
+        return self.fans.index(self.mine_one) <= self.fans.index(self.mine_many)
+
     def broadcast(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """'one' workers send ``x``; 'many' workers return a copy of their 'one''s block."""
-        me = self.world.rank
+        me, tr = self.world.rank, self.world.transport
         works, out = [], None
-        if self.mine_one is not None and self.mine_one.group is not None:
-            works.append(self.world.transport.broadcast(x, me, self.mine_one.group))
-        if self.mine_many is not None:
-            f = self.mine_many
-            if f.one == me:
-                out = x
-            else:
-                out = torch.empty(shape, dtype=x.dtype, device=x.device)
-                works.append(self.world.transport.broadcast(out, f.one, f.group))
+
+        def send() -> None:
+            if self.mine_one is not None and self.mine_one.group is not None:
+                works.append(tr.broadcast(x, me, self.mine_one.group))
+
+        def receive() -> None:
+            nonlocal out
+            if self.mine_many is not None:
+                f = self.mine_many
+                if f.one == me:
+                    out = x
+                else:
+                    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+                    works.append(tr.broadcast(out, f.one, f.group))
+
+        for step in ((send, receive) if self._first_as_one() else (receive, send)):
+            step()
         wait_all(works, self.world.timeout)
         return out if out is not None else zero_volume(x.dim(), like=x)
 
     def reduce(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """'many' workers send ``x``; each 'one' worker returns the sum of its fan's blocks."""
-        me = self.world.rank
+        me, tr = self.world.rank, self.world.transport
         works, out = [], None
-        if self.mine_many is not None:
+
+        def send() -> None:
             f = self.mine_many
-            if f.one != me and f.group is not None:
+            if f is not None and f.one != me and f.group is not None:
                 buf = x.clone()  # the backend may use it as scratch
-                works.append(self.world.transport.reduce(buf, f.one, f.group))
-        if self.mine_one is not None:
+                works.append(tr.reduce(buf, f.one, f.group))
+
+        def receive() -> None:
+            nonlocal out
             f = self.mine_one
-            if me in f.many:
-                out = x.clone()
-            else:
-                out = torch.zeros(shape, dtype=x.dtype, device=x.device)
-            if f.group is not None:
-                works.append(self.world.transport.reduce(out, me, f.group))
+            if f is not None:
+                out = x.clone() if me in f.many else torch.zeros(shape, dtype=x.dtype,
+                                                                  device=x.device)
+                if f.group is not None:
+                    works.append(tr.reduce(out, me, f.group))
+
+        for step in ((receive, send) if self._first_as_one() else (send, receive)):
+            step()
         wait_all(works, self.world.timeout)
         return out if out is not None else zero_volume(x.dim(), like=x)
 
