@@ -1,0 +1,211 @@
+"""Distributed pooling equals torch's pooling (gathered, float64, forward and input gradient)
+with torch's options: ceil_mode, count_include_pad, divisor_override, stride/padding/dilation,
+1-D to 3-D, uneven sizes, partitions on a subset of the world (inactive ranks), batch
+partitions; adjoint test of average pooling; bad options raise on every rank.
+
+Many cases run per ``cluster.run`` call (one task per world size) to keep the runtime low."""
+
+import pytest
+import torch
+
+import gpudist.nn as gnn
+from gpudist import Partition
+from gpudist.decomposition import Decomposition
+from gpudist.nn.pooling import output_length
+from gpudist.primitives import Repartition, zero_volume
+from gpudist.runtime import require_world
+from gpudist.testing import adjoint_mismatch
+from tests.conftest import HAS_MPI
+from tests.util import block_of, global_tensor
+
+TOL = 1e-10
+WORLD = 4
+
+
+def _layers(kind, nd, P, opts):
+    name = {"max": "MaxPool", "avg": "AvgPool"}[kind]
+    return getattr(gnn, f"Distributed{name}{nd}d")(P, **opts), \
+        getattr(torch.nn, f"{name}{nd}d")(**opts)
+
+
+def _maxerr(a, b):
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _shapes_agree(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (an all-reduce over the world), so a wrong local
+    output shape fails the case at once instead of hanging the gather."""
+    w = require_world(None)
+    t = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    if w.size > 1:
+        w.transport.all_reduce(t, w.transport.group(range(w.size))).wait(w.timeout)
+    return float(t) == 0.0
+
+
+def _equivalence(kind, nd, pshape, ranks, gshape, opts):
+    """Forward + input gradient of the distributed layer vs torch's on the global tensor;
+    max errors on the gathering root, shapes everywhere (zero-volume where inactive)."""
+    P = Partition(ranks, pshape)
+    layer, seq = _layers(kind, nd, P, opts)
+    G = global_tensor(gshape, seed=1)
+    x = block_of(G, P).requires_grad_(True)
+    y = layer(x)
+    Gs = G.clone().requires_grad_(True)
+    Y = seq(Gs)
+    want = Decomposition(tuple(Y.shape), P.shape).local_shape(P.coords) if P.active else \
+        (0,) * y.dim()
+    if not _shapes_agree(tuple(y.shape) == tuple(want)):
+        return {"inactive_numel": 0, "shape": float("inf")}
+    dY = global_tensor(Y.shape, seed=2)
+    y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
+    Y.backward(dY)
+    root = Partition([P.ranks[0]], (1,) * P.dim)
+    yg = Repartition(P, root, tuple(Y.shape))(y.detach())
+    dx = x.grad if x.grad is not None else torch.zeros_like(x)
+    dxg = Repartition(P, root, tuple(G.shape))(dx)
+    out = {"inactive_numel": 0 if P.active else y.numel() + dx.numel()}
+    if root.active:
+        out["y"] = _maxerr(yg, Y.detach())
+        out["dx"] = _maxerr(dxg, Gs.grad)
+    return out
+
+
+def _equivalence_cases(cases):
+    return [_equivalence(*c[1:]) for c in cases]
+
+
+# id, kind, nd, partition, world ranks, global shape, options (as torch's constructor)
+MAX_CASES = [
+    ("1d-ceil", "max", 1, (1, 1, 4), [0, 1, 2, 3], (2, 2, 24),
+     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    ("1d-ceil-dil", "max", 1, (1, 1, 3), [1, 2, 3], (1, 2, 19),
+     dict(kernel_size=3, stride=3, padding=1, dilation=2, ceil_mode=True)),
+    ("1d-ceil-rule", "max", 1, (1, 1, 3), [0, 1, 2], (2, 1, 11),
+     dict(kernel_size=2, stride=2, padding=1, ceil_mode=True)),
+    ("2d-ceil-dil", "max", 2, (1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 14, 11),
+     dict(kernel_size=3, stride=2, padding=1, dilation=2, ceil_mode=True)),
+    ("2d-floor", "max", 2, (1, 1, 3, 1), [1, 2, 3], (2, 2, 17, 10),
+     dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2))),
+    ("2d-batch-ceil", "max", 2, (2, 1, 2, 1), [0, 1, 2, 3], (3, 2, 13, 8),
+     dict(kernel_size=2, ceil_mode=True)),
+    ("3d-ceil", "max", 3, (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 9, 7, 13),
+     dict(kernel_size=(2, 3, 3), stride=(2, 2, 3), padding=(1, 0, 1), ceil_mode=True)),
+]
+
+AVG_CASES = [
+    ("1d-ceil-excl", "avg", 1, (1, 1, 3), [0, 2, 3], (2, 2, 17),
+     dict(kernel_size=4, stride=3, padding=2, ceil_mode=True, count_include_pad=False)),
+    ("1d-ceil-rule-excl", "avg", 1, (1, 1, 3), [0, 1, 2], (2, 1, 11),
+     dict(kernel_size=2, stride=2, padding=1, ceil_mode=True, count_include_pad=False)),
+    ("1d-incl", "avg", 1, (1, 1, 4), [0, 1, 2, 3], (1, 2, 23),
+     dict(kernel_size=3, stride=2, padding=1)),
+    ("2d-ceil-incl", "avg", 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 1, 16, 13),
+     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    ("2d-excl", "avg", 2, (1, 1, 2, 2), [0, 1, 2, 3], (2, 2, 13, 10),
+     dict(kernel_size=(3, 2), stride=2, padding=1, count_include_pad=False)),
+    ("2d-override", "avg", 2, (1, 1, 1, 3), [1, 2, 3], (1, 2, 12, 11),
+     dict(kernel_size=3, stride=2, padding=1, divisor_override=7)),
+    ("3d-ceil-excl-override", "avg", 3, (1, 1, 2, 2, 1), [0, 1, 2, 3], (1, 2, 9, 8, 7),
+     dict(kernel_size=(3, 2, 3), stride=(2, 2, 3), padding=(1, 1, 0), ceil_mode=True,
+          count_include_pad=False, divisor_override=5)),
+    ("3d-ceil-excl", "avg", 3, (1, 1, 1, 1, 3), [0, 1, 3], (2, 1, 6, 9, 14),
+     dict(kernel_size=(2, 3, 3), stride=2, padding=1, ceil_mode=True,
+          count_include_pad=False)),
+]
+
+
+def _check(cases, results):
+    roots = 0
+    for case, per_rank in zip(cases, zip(*results)):
+        for r in per_rank:
+            assert r.pop("inactive_numel") == 0, case[0]
+            assert all(v < TOL for v in r.values()), (case[0], r)
+            roots += bool(r)
+    assert roots == len(cases)  # exactly one rank compared each case
+
+
+def test_cases_exercise_ceil_mode():
+    """Every ceil_mode case adds an output in some dim, or hits torch's rule that the last
+    window must start inside the input or left padding (then ceil adds nothing)."""
+    for _, kind, nd, _, _, gshape, opts in MAX_CASES + AVG_CASES:
+        if not opts.get("ceil_mode"):
+            continue
+        k, s = opts["kernel_size"], opts.get("stride", opts["kernel_size"])
+        p, d = opts.get("padding", 0), opts.get("dilation", 1)
+        per = [tuple(v) if isinstance(v, tuple) else (v,) * nd for v in (k, s, p, d)]
+        adds = rule = False
+        for L, (ka, sa, pa, da) in zip(gshape[2:], zip(*per)):
+            m_floor = output_length(L, ka, sa, pa, da, False)
+            adds |= output_length(L, ka, sa, pa, da, True) > m_floor
+            m = (L + 2 * pa - da * (ka - 1) - 1 + sa - 1) // sa + 1
+            rule |= (m - 1) * sa >= L + pa
+        assert adds or rule, (kind, gshape, opts)
+    shapes = [torch.nn.MaxPool1d(2, 2, 1, ceil_mode=c)(torch.zeros(1, 1, 11)).shape[-1]
+              for c in (False, True)]
+    assert shapes == [6, 6]  # the "rule" cases above: ceil would give 7 without it
+
+
+@pytest.mark.parametrize("cases", [MAX_CASES, AVG_CASES], ids=["max", "avg"])
+def test_pool_equivalence(cluster, cases):
+    _check(cases, cluster.run(WORLD, _equivalence_cases, cases))
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
+def test_pool_equivalence_mpi(cluster):
+    cases = MAX_CASES + AVG_CASES
+    _check(cases, cluster.run(WORLD, _equivalence_cases, cases, backend="mpi"))
+
+
+def _adjoints(cases):
+    out = []
+    for _, kind, nd, pshape, ranks, gshape, opts in cases:
+        P = Partition(ranks, pshape)
+        layer, _ = _layers(kind, nd, P, opts)
+        x = block_of(global_tensor(gshape, seed=3), P)
+        out.append(adjoint_mismatch(layer, x, seed=4))
+    return out
+
+
+def test_avg_pool_adjoint(cluster):
+    """Average pooling is linear: <A x, y> = <x, A* y> with A* the autograd backward."""
+    cases = [c for c in AVG_CASES if c[0] in ("1d-ceil-excl", "2d-ceil-incl", "2d-override",
+                                              "3d-ceil-excl-override")]
+    for per_case in zip(*cluster.run(WORLD, _adjoints, cases)):
+        assert len(set(per_case)) == 1  # the same value on every rank
+        assert per_case[0] < 1e-13, per_case
+
+
+BAD = [
+    ("MaxPool2d", dict(kernel_size=3, padding=2), "padding"),
+    ("MaxPool1d", dict(kernel_size=2, padding=2, dilation=3), "padding"),
+    ("AvgPool3d", dict(kernel_size=(3, 3, 2), padding=(1, 1, 2)), "padding"),
+    ("MaxPool2d", dict(kernel_size=2, return_indices=True), "return_indices"),
+    ("AvgPool2d", dict(kernel_size=2, divisor_override=0), "divisor_override"),
+    ("MaxPool1d", dict(kernel_size=2, stride=0), "stride"),
+    ("AvgPool2d", dict(kernel_size=(2, 2, 2)), "kernel_size"),
+]
+
+
+def _bad_options():
+    """Construct each bad layer on a partition of world ranks 1, 2 (the others inactive)."""
+    out = []
+    for name, opts, _ in BAD:
+        P = Partition([1, 2], (1, 1, 2) + (1,) * (int(name[-2]) - 1))
+        try:
+            getattr(gnn, f"Distributed{name}")(P, **opts)
+            out.append(None)
+        except Exception as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_bad_options_raise_on_every_rank(cluster):
+    for per_rank in cluster.run(WORLD, _bad_options):
+        for (name, opts, word), err in zip(BAD, per_rank):
+            assert err is not None, (name, opts)
+            assert err[0] == "ValueError" and word in err[1], (name, opts, err)
+    for name, opts, word in BAD:  # torch rejects the same options (indices: unsupported)
+        if word != "return_indices":
+            x = torch.zeros((1, 1) + (8,) * int(name[-2]))
+            with pytest.raises((ValueError, RuntimeError)):
+                getattr(torch.nn, name)(**opts)(x)
