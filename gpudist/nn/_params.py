@@ -21,3 +21,16 @@ def parameter(t: torch.Tensor | None, like: torch.Tensor, ndim: int) -> torch.nn
     if t is None:
         t = like.new_zeros((0,) * ndim)
     return torch.nn.Parameter(t.detach().clone())
+
+
+def connect(t: torch.Tensor, *others: torch.Tensor | None) -> torch.Tensor:
+    """``t`` plus 0 x each (zero-volume) tensor in ``others``.
+
+    Keeps their producers in this rank's backward graph: autograd prunes nodes the requested
+    gradients do not reach, and a rank that skipped the adjoint of a collective would leave
+    its peers waiting.
+    """
+    for o in others:
+        if o is not None and o.requires_grad:
+            t = t + o.sum() * 0
+    return t

@@ -29,7 +29,7 @@ from ..errors import PartitionError, ShapeError
 from ..halo import HaloExchange
 from ..partition import Partition
 from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
-from ._params import block, parameter
+from ._params import block, connect, parameter
 
 _CONV = {1: (F.conv1d, torch.nn.Conv1d), 2: (F.conv2d, torch.nn.Conv2d),
          3: (F.conv3d, torch.nn.Conv3d)}
@@ -41,15 +41,6 @@ def _tuple(v, n: int) -> tuple[int, ...]:
 
 def _same(a: Partition, b: Partition) -> bool:
     return a.ranks == b.ranks and a.shape == b.shape
-
-
-def _connect(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
-    """``t`` plus 0 x each (zero-volume) tensor: keeps their adjoints in the backward graph,
-    so a rank whose block is empty still takes part in the collectives of the backward."""
-    for o in others:
-        if o is not None and o.requires_grad:
-            t = t + o.sum() * 0
-    return t
 
 
 class DistributedConvNd(torch.nn.Module):
@@ -203,9 +194,9 @@ class DistributedConvNd(torch.nn.Module):
             y = _CONV[self.spatial][0](xh, w, b if self._bias_here else None, self.s, 0,
                                        self.d, self.groups)
             if b is not None and not self._bias_here:
-                y = _connect(y, b)
+                y = connect(y, b)
         else:
-            y = _connect(xh, w, b)  # zero-volume; keeps every adjoint in the graph
+            y = connect(xh, w, b)  # zero-volume; keeps every adjoint in the graph
         if self._y_reduce is not None:
             y = self._y_reduce(y)
         return y

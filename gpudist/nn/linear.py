@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..errors import PartitionError, ShapeError
 from ..partition import Partition
 from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
-from ._params import block, parameter
+from ._params import block, connect, parameter
 
 
 class DistributedLinear(torch.nn.Module):
@@ -57,8 +57,8 @@ class DistributedLinear(torch.nn.Module):
         xw = self._x_bcast(x)
         if self.P_w.active:
             y = F.linear(xw, self.weight)
-            if self.bias is not None and self.P_b.active:
-                y = y + self.bias
+            if self.bias is not None:
+                y = y + self.bias if self.P_b.active else connect(y, self.bias)
         else:
             y = xw  # zero-volume, keeps the graph connected
         return self._y_reduce(y)

@@ -132,7 +132,7 @@ class Slurm:
     def name() -> str:
         return f"gpudist-test-{uuid.uuid4().hex[:8]}"
 
-    def srun(self, n: int, args: list[str], timeout: float = 120, srun_opts=(),
+    def srun(self, n: int, args: list[str], timeout: float = 240, srun_opts=(),
              **extra: str) -> tuple[int, str, str, float]:
         name = self.name()
         cmd = ["srun", "-n", str(n), "-J", name, "--time=5", *srun_opts, PY, JOB_CHECK, *args]
