@@ -1,104 +1,205 @@
-"""Distributed conv layer vs the same local conv with no communication, and world-size-1
-overhead vs ``torch.nn.Conv2d``.
+"""Every distributed layer, forward + backward, against torch in the same process group.
 
-At N > 1 ranks: ``DistributedConv2d`` over a (1,1,N/2,2) partition of the global input
-(default (4,16,512,512), 16->16, 3x3, padding 1), forward + backward, vs ``F.conv2d`` of the
-same weights on the rank's local block (padding 1, so the same output size) -- the compute
-gpudist cannot avoid. At 1 rank: ``DistributedConv2d`` on a one-worker partition vs
-``torch.nn.Conv2d`` on the whole tensor. Peak memory per worker: CUDA max allocated on GPU,
-``ru_maxrss`` (whole-process peak, coarse) on CPU. Skips with a message if ``gpudist.nn`` is
-not importable.
+At 1 rank: the layer on a one-worker partition vs the torch layer on the whole tensor (the
+overhead ratio). At N > 1 ranks: time and peak memory per worker, and the ratio against
+the same torch op on this worker's block with no communication (the compute gpudist cannot
+avoid). Layers (``--layers``):
+
+* ``conv2d``       DistributedConv2d, spatial (1,1,N/2,2) partition, 3x3, padding 1
+* ``conv2d_chan``  DistributedConv2d, channels split: P_w (1,2,N/2,1,1), x (1,N/2,1,1)
+* ``maxpool2d``    DistributedMaxPool2d 3x3, stride 2, padding 1, spatial partition
+* ``avgpool2d``    DistributedAvgPool2d 2x2, stride 2, spatial partition
+* ``batchnorm2d``  DistributedBatchNorm (training mode), spatial partition
+* ``upsample2d``   DistributedUpsample bilinear x2, spatial partition (if available)
+* ``linear``       DistributedLinear with P_w (2,N/2), x (1,N/2), y (1,2)
+
+Peak memory per worker: CUDA max allocated on GPU, ``ru_maxrss`` (whole-process peak,
+coarse) on CPU; the maximum over ranks is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
+from collections.abc import Callable
 
 from .common import Timer, add_common_args, progress, run_suite
+
+LAYERS = ["conv2d", "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d", "upsample2d",
+          "linear"]
 
 
 def grid2(n: int) -> tuple[int, int]:
     return (n // 2, 2) if n % 2 == 0 and n > 1 else (1, n)
 
 
-def conv_case(args, world, global_shape, case: str) -> dict | None:
+def _block(G, P):
+    from gpudist import Decomposition
+
+    if not P.active:
+        return G.new_zeros((0,) * G.dim())
+    return G[Decomposition(tuple(G.shape), P.shape).global_slices(P.coords)].contiguous()
+
+
+def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int]):
+    """(distributed fn, its input, reference fn, its input, partition label) or None."""
     import torch
     import torch.nn.functional as F
 
-    try:
-        from gpudist.nn import DistributedConv2d
-    except ImportError as e:
-        if world.rank == 0:
-            print(f"bench {case}: gpudist.nn is not importable yet ({e}); skipped")
-        return None
+    import gpudist.nn as gnn
     from gpudist import Partition
 
-    n = world.size
+    n, dev = world.size, world.device
     ph, pw = grid2(n)
     P = Partition.grid((1, 1, ph, pw))
-    dev = world.device
-    cin = cout = global_shape[1]
-    timer = Timer(world, args.warmup, args.repeats)
-    i, j = P.coords_of(P.index)[2:] if P.active else (0, 0)
-    lh = global_shape[2] // ph + (1 if i < global_shape[2] % ph else 0)
-    lw = global_shape[3] // pw + (1 if j < global_shape[3] % pw else 0)
-    local = (global_shape[0], cin, lh, lw)
     torch.manual_seed(0)
-    layer = DistributedConv2d(P, cin, cout, 3, 1, 1, 1, True).to(dev)
-    ref = torch.nn.Conv2d(cin, cout, 3, 1, 1, bias=True).to(dev)
-    x = torch.rand(*local, device=dev, requires_grad=True)
-    xr = x.detach().clone().requires_grad_(True)
+    G = torch.rand(*shape, device=dev)
+    x = _block(G, P)
+    c = shape[1]
+    whole = n == 1
+    if name == "conv2d":
+        layer = gnn.DistributedConv2d(P, c, c, 3, 1, 1, device=dev)
+        ref = torch.nn.Conv2d(c, c, 3, 1, 1, device=dev)
+        rfn = ref if whole else (lambda t: F.conv2d(t, ref.weight, ref.bias, 1, 1))
+        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+    if name == "conv2d_chan":
+        if n % 2:
+            return None
+        cc = 2 * c
+        P_w = Partition.grid((1, 2, n // 2, 1, 1))
+        P_x = Partition([P_w.world_rank_of((0, 0, j, 0, 0)) for j in range(n // 2)],
+                        (1, n // 2, 1, 1))
+        G = torch.rand(shape[0], cc, *shape[2:], device=dev)
+        layer = gnn.DistributedConv2d(P_x, cc, cc, 3, 1, 1, P_w=P_w, device=dev)
+        ref = torch.nn.Conv2d(cc, cc, 3, 1, 1, device=dev)
+        if whole:
+            return layer, _block(G, P_x), ref, G, "w 1x1x1x1x1"
+        ci, co = cc // (n // 2), cc // 2  # the local conv of one P_w worker
+        wl = torch.rand(co, ci, 3, 3, device=dev, requires_grad=True)
+        xr = torch.rand(shape[0], ci, *shape[2:], device=dev)
+        return (layer, _block(G, P_x), lambda t: F.conv2d(t, wl, None, 1, 1), xr,
+                f"w 1x2x{n // 2}x1x1")
+    if name in ("maxpool2d", "avgpool2d"):
+        if name == "maxpool2d":
+            layer, ref = gnn.DistributedMaxPool2d(P, 3, 2, 1), torch.nn.MaxPool2d(3, 2, 1)
+            rfn = ref if whole else (lambda t: F.max_pool2d(t, 3, 2, 1))
+        else:
+            layer, ref = gnn.DistributedAvgPool2d(P, 2, 2), torch.nn.AvgPool2d(2, 2)
+            rfn = ref
+        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+    if name == "batchnorm2d":
+        layer = gnn.DistributedBatchNorm(P, c, device=dev)
+        ref = torch.nn.BatchNorm2d(c, device=dev)
+        return layer, x, ref, (G if whole else x), f"1x1x{ph}x{pw}"
+    if name == "upsample2d":
+        cls = getattr(gnn, "DistributedUpsample", None)
+        if cls is None:
+            return None
+        layer = cls(P, scale_factor=2, mode="bilinear", align_corners=False)
+
+        def rfn(t):
+            return F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=False)
+        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+    if name == "linear":
+        batch, fin, fout = feat
+        fo, fi = (1, 1) if whole else (2, n // 2)
+        if fo * fi != n:
+            return None
+        P_w = Partition.grid((fo, fi))
+        P_x = Partition([P_w.world_rank_of((0, j)) for j in range(fi)], (1, fi))
+        P_y = Partition([P_w.world_rank_of((i, 0)) for i in range(fo)], (1, fo))
+        layer = gnn.DistributedLinear(P_x, P_y, P_w, fin, fout, device=dev)
+        GX = torch.rand(batch, fin, device=dev)
+        ref = torch.nn.Linear(fin // fi, fout // fo, device=dev)
+        xr = GX if whole else torch.rand(batch, fin // fi, device=dev)
+        return layer, _block(GX, P_x), ref, xr, f"w {fo}x{fi}"
+    raise ValueError(f"unknown layer {name!r} (choose from {LAYERS})")
+
+
+def layer_case(args, world, name: str, shape, feat) -> dict | None:
+    import torch
+
+    built = _build(name, world, shape, feat)
+    if built is None:
+        return None
+    layer, x, rfn, xr, label = built
+    dev = world.device
+    x = x.detach().requires_grad_(True)
+    xr = xr.detach().requires_grad_(True)
+    timer = Timer(world, args.warmup, args.repeats)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    def g():
-        layer(x).sum().backward()
+    def run_(fn: Callable, t):
+        def go():
+            y = fn(t)
+            (y.sum() if y.numel() else y.sum() * 0).backward()
+        return go
 
-    def r():
-        if n == 1:
-            ref(xr).sum().backward()
-        else:
-            F.conv2d(xr, ref.weight, ref.bias, 1, 1).sum().backward()
-
-    res = timer.time({"gpudist": g, "local": r})
+    res = timer.time({"gpudist": run_(layer, x), "reference": run_(rfn, xr)})
     if dev.type == "cuda":
         mem = torch.cuda.max_memory_allocated() / 2**20
     else:
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     mem = timer.max_over_ranks([float(mem)])[0]
-    tg, tr = res["gpudist"]["median_s"], res["local"]["median_s"]
+    tg, tr = res["gpudist"]["median_s"], res["reference"]["median_s"]
+    n = world.size
     return {
-        "case": case, "backend": world.backend, "ranks": n, "partition": f"1x1x{ph}x{pw}",
-        "global_shape": "x".join(map(str, global_shape)),
-        "local_shape": "x".join(map(str, local)),
-        "reference": "torch.nn.Conv2d (whole tensor)" if n == 1 else "local conv, no comm",
+        "case": name, "backend": world.backend, "ranks": n, "partition": label,
+        "global_shape": "x".join(map(str, feat if name == "linear" else shape)),
+        "reference": "torch layer (whole tensor)" if n == 1 else "torch op on the block",
         "gpudist_ms": tg * 1e3, "reference_ms": tr * 1e3, "ratio": tg / tr,
         "gpudist_p25_ms": res["gpudist"]["p25_s"] * 1e3,
         "gpudist_p75_ms": res["gpudist"]["p75_s"] * 1e3,
-        "reference_p25_ms": res["local"]["p25_s"] * 1e3,
-        "reference_p75_ms": res["local"]["p75_s"] * 1e3,
+        "reference_p25_ms": res["reference"]["p25_s"] * 1e3,
+        "reference_p75_ms": res["reference"]["p75_s"] * 1e3,
         "peak_mem_MiB_max_rank": mem,
     }
 
 
+def conv_case(args, world, shape, case: str) -> dict | None:
+    """The ``conv2d`` row for ``shape``, labelled ``case`` (used by the scaling suite)."""
+    row = layer_case(args, world, "conv2d", shape, (0, 0, 0))
+    if row:
+        row["case"] = case
+    return row
+
+
 def run(args, world) -> list[dict]:
-    shape = (1, 2, 32, 32) if args.quick else tuple(args.shape)
-    if world.size == 1:
-        shape = (1, 2, 32, 32) if args.quick else tuple(args.shape1)
-    bar = progress(world, 1, f"layers {world.backend} x{world.size}", args.no_progress)
-    row = conv_case(args, world, shape, "conv2d" if world.size > 1 else "conv2d_ws1")
-    bar.update()
+    try:
+        import gpudist.nn  # noqa: F401
+    except ImportError as e:
+        if world.rank == 0:
+            print(f"bench layers: gpudist.nn is not importable ({e}); skipped")
+        return []
+    if args.quick:
+        shape, feat = (2, 2, 32, 32), (8, 32, 16)
+    else:
+        shape = tuple(args.shape if world.size > 1 else args.shape1)
+        feat = tuple(args.features)
+    names = args.layers or LAYERS
+    bar = progress(world, len(names), f"layers {world.backend} x{world.size}",
+                   args.no_progress)
+    rows = []
+    for name in names:
+        row = layer_case(args, world, name, shape, feat)
+        if row:
+            rows.append(row)
+        bar.update()
     bar.close()
-    return [row] if row else []
+    return rows
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     add_common_args(p)
+    p.add_argument("--layers", nargs="*", choices=LAYERS, default=None,
+                   help="layers to run (default: all)")
     p.add_argument("--shape", type=int, nargs=4, default=[4, 16, 512, 512],
                    help="global input at N ranks")
     p.add_argument("--shape1", type=int, nargs=4, default=[4, 16, 256, 256],
                    help="input for the world-size-1 overhead case")
+    p.add_argument("--features", type=int, nargs=3, default=[256, 4096, 4096],
+                   metavar=("BATCH", "IN", "OUT"), help="linear layer problem")
     p.add_argument("--no-ws1", action="store_true", help="skip the world-size-1 case")
 
 
