@@ -120,8 +120,12 @@ class DistributedConvNd(torch.nn.Module):
         Py_view = self.P_y.reshape((pb, pco, 1) + sp)
         self._x_bcast = None if _same(Px_view, self.P_w) else BroadcastOp(Px_view, self.P_w)
         self._y_reduce = None if _same(Py_view, self.P_w) else SumReduceOp(self.P_w, Py_view)
+        # spatial form: the halo adds no padding; the local conv takes the symmetric part
+        # (no copy where a worker has nothing to exchange), F.pad the rest. General form: the
+        # P_w workers outside P_x have no halo plan, so the halo pads everything.
         self.halo = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
-                                 ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d, pad_value=0.0)
+                                 ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
+                                 pad_value=None if self._x_bcast is None else 0.0)
         self._collect_w = RepartitionOp(self.P_r, self.root, wshape)
         self._collect_b = (RepartitionOp(self.P_rb, Partition(self.root.ranks, (1,), world),
                                          (out_channels,)) if bias else None)
@@ -183,16 +187,30 @@ class DistributedConvNd(torch.nn.Module):
             raise ShapeError(f"{name}: the blocks over P_x {self.P_x.shape} form a global "
                              f"tensor {g} with {g[1]} channels, expected {self.in_channels}")
 
+    def _exchange(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """H x, and the (symmetric) zero padding the local conv must still add."""
+        n = self.spatial
+        if self.halo.pad_value is not None or not self.P_x.active:
+            return self.halo(x), (0,) * n
+        plan = self.halo.plan(self.halo.global_shape_of(x))
+        pads = plan.pads[2:]
+        sym = tuple(min(lr) for lr in pads)
+        xh = x if plan.identity and not plan.steps else self.halo(x)
+        rest = [v for (lo, hi), s in reversed(list(zip(pads, sym))) for v in (lo - s, hi - s)]
+        if any(rest):
+            xh = F.pad(xh, rest)
+        return xh, sym
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        xh = self.halo(x)
+        xh, conv_pad = self._exchange(x)
         if self._x_bcast is not None:
             xh = self._x_bcast(xh)
         w = self._w_bcast(self.weight)
         b = self._b_bcast(self.bias) if self._b_bcast is not None else None
         if self.P_w.active:
-            y = _CONV[self.spatial][0](xh, w, b if self._bias_here else None, self.s, 0,
-                                       self.d, self.groups)
+            y = _CONV[self.spatial][0](xh, w, b if self._bias_here else None, self.s,
+                                       conv_pad, self.d, self.groups)
             if b is not None and not self._bias_here:
                 y = connect(y, b)
         else:
