@@ -29,6 +29,7 @@ from ..errors import PartitionError, ShapeError
 from ..halo import HaloExchange
 from ..partition import Partition
 from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
+from ._halo import exchange_for_op
 from ._params import block, connect, parameter
 
 _CONV = {1: (F.conv1d, torch.nn.Conv1d), 2: (F.conv2d, torch.nn.Conv2d),
@@ -187,23 +188,12 @@ class DistributedConvNd(torch.nn.Module):
             raise ShapeError(f"{name}: the blocks over P_x {self.P_x.shape} form a global "
                              f"tensor {g} with {g[1]} channels, expected {self.in_channels}")
 
-    def _exchange(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """H x, and the (symmetric) zero padding the local conv must still add."""
-        n = self.spatial
-        if self.halo.pad_value is not None or not self.P_x.active:
-            return self.halo(x), (0,) * n
-        plan = self.halo.plan(self.halo.global_shape_of(x))
-        pads = plan.pads[2:]
-        sym = tuple(min(lr) for lr in pads)
-        xh = x if plan.identity and not plan.steps else self.halo(x)
-        rest = [v for (lo, hi), s in reversed(list(zip(pads, sym))) for v in (lo - s, hi - s)]
-        if any(rest):
-            xh = F.pad(xh, rest)
-        return xh, sym
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        xh, conv_pad = self._exchange(x)
+        if self.halo.pad_value is None:
+            xh, conv_pad = exchange_for_op(self.halo, x, 0.0, self.spatial)
+        else:
+            xh, conv_pad = self.halo(x), 0
         if self._x_bcast is not None:
             xh = self._x_bcast(xh)
         w = self._w_bcast(self.weight)

@@ -1,6 +1,6 @@
 """Distributed pooling with torch's semantics: x <- H x (global padding -inf for max, 0 for
-average), then a torch pooling op with padding 0 on every worker. Adjoint by autograd (the
-local pooling's adjoint, then H*).
+average; the symmetric part is left to the torch op's own padding), then the torch pooling
+op on every worker. Adjoint by autograd (the local pooling's adjoint, then H*).
 
 Per spatial dimension of global length ``L`` (kernel ``k``, stride ``s``, padding ``p``,
 dilation ``d``) the output length is torch's::
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..errors import PartitionError, ShapeError
 from ..halo import HaloExchange
 from ..partition import Partition
+from ._halo import exchange_for_op
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -117,9 +118,8 @@ class _DistributedPoolNd(torch.nn.Module):
                         f"padding={p}, dilation={d}): output size is too small")
                 r = max(0, (m - 1) * s + d * (k - 1) + 1 - (L + 2 * p))
                 pads.append((p, p + r))
-            fill = float("-inf") if self.kind == "max" else 0.0
             h = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
-                             (1, 1) + self.d, global_shape=g, pad_value=fill)
+                             (1, 1) + self.d, global_shape=g)
             self._halos[g] = h
         return h
 
@@ -131,9 +131,12 @@ class _DistributedPoolNd(torch.nn.Module):
                              f"block (N, C, spatial), got shape {tuple(x.shape)}")
         g = self._shapes.global_shape_of(x)
         h = self.halo_for(g)
-        return self._pool(h(x), g, h)
+        fill = float("-inf") if self.kind == "max" else 0.0
+        xh, pad = exchange_for_op(h, x, fill, self.spatial)  # the op pads ``pad`` itself
+        return self._pool(xh, pad, g, h)
 
-    def _pool(self, xh: torch.Tensor, g: tuple[int, ...], h: HaloExchange) -> torch.Tensor:
+    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
+              h: HaloExchange) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -152,8 +155,9 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                              f"(indices into a partitioned input have no local meaning)")
         self._setup(P_x, kernel_size, stride, padding, dilation, ceil_mode)
 
-    def _pool(self, xh: torch.Tensor, g: tuple[int, ...], h: HaloExchange) -> torch.Tensor:
-        return _MAX[self.spatial](xh, self.k, self.s, 0, self.d)
+    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
+              h: HaloExchange) -> torch.Tensor:
+        return _MAX[self.spatial](xh, self.k, self.s, pad, self.d)
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):
@@ -197,18 +201,20 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
             self._divisors[key] = div
         return self._divisors[key]
 
-    def _pool(self, xh: torch.Tensor, g: tuple[int, ...], h: HaloExchange) -> torch.Tensor:
+    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
+              h: HaloExchange) -> torch.Tensor:
+        # the op's own zero padding is counted like the halo's (count_include_pad=True)
         n = self.spatial
         div: torch.Tensor | int | None = self.divisor_override
         if div is None:
             div = self.divisor(g, h, xh)
             if div is None:
-                return _AVG[n](xh, self.k, self.s, 0)
+                return _AVG[n](xh, self.k, self.s, pad)
         if n == 1:  # avg_pool1d has no divisor_override: sum-pool as a 2-D pool
-            total = F.avg_pool2d(xh.unsqueeze(-2), (1,) + self.k, (1,) + self.s, 0,
+            total = F.avg_pool2d(xh.unsqueeze(-2), (1,) + self.k, (1,) + self.s, (0,) + pad,
                                  divisor_override=1).squeeze(-2)
         else:
-            total = _AVG[n](xh, self.k, self.s, 0, divisor_override=1)
+            total = _AVG[n](xh, self.k, self.s, pad, divisor_override=1)
         return total / div
 
 
