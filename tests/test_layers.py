@@ -277,28 +277,44 @@ def test_linear_equivalence(cluster, backend, n, fo_fi, ranks, batch, fin, fout)
     assert keys == {"y", "dx", "dw", "db", "w"}
 
 
-def _bn_case(pshape, ranks, gshape):
+def _bn_case(pshape, ranks, gshape, affine=True):
     P = Partition(ranks, pshape)
-    seq = torch.nn.BatchNorm2d(gshape[1], dtype=torch.float64)
-    layer = gnn.DistributedBatchNorm(P, gshape[1], dtype=torch.float64)
-    with torch.no_grad():
-        seq.weight.uniform_(0.5, 1.5)
-        seq.bias.uniform_(-1, 1)
-        if layer.weight.numel():
-            layer.weight.copy_(seq.weight)
-            layer.bias.copy_(seq.bias)
+    seqcls = {3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+    seq = seqcls[len(gshape)](gshape[1], affine=affine, dtype=torch.float64)
+    layer = gnn.DistributedBatchNorm(P, gshape[1], affine=affine, dtype=torch.float64)
+    if affine:
+        with torch.no_grad():
+            seq.weight.uniform_(0.5, 1.5)
+            seq.bias.uniform_(-1, 1)
+            if layer.weight.numel():
+                layer.weight.copy_(seq.weight)
+                layer.bias.copy_(seq.bias)
     errs, root = _run_spatial(layer, seq, P, gshape)
-    if root.active:
+    if root.active and affine:
         errs["dgamma"] = _maxerr(layer.weight.grad, seq.weight.grad)
         errs["dbeta"] = _maxerr(layer.bias.grad, seq.bias.grad)
     if P.active:
+        errs["running_mean"] = _maxerr(layer.running_mean, seq.running_mean)
         errs["running_var"] = _maxerr(layer.running_var, seq.running_var)
+    layer.eval()
+    seq.eval()
+    eval_errs, root = _run_spatial(layer, seq, P, gshape)
+    errs.update({f"eval_{k}": v for k, v in eval_errs.items()})
     return errs
 
 
-def test_batchnorm_equivalence(cluster):
-    for errs in cluster.run(6, _bn_case, (3, 1, 1, 2), [0, 1, 2, 3, 4, 5], (7, 3, 5, 6)):
+@pytest.mark.parametrize("n,pshape,ranks,gshape,affine", [
+    (6, (3, 1, 1, 2), [0, 1, 2, 3, 4, 5], (7, 3, 5, 6), True),
+    (4, (1, 1, 3), [1, 2, 3], (4, 2, 11), False),
+    (4, (2, 1, 1, 1, 2), [3, 2, 1, 0], (3, 2, 4, 3, 5), True),
+])
+def test_batchnorm_equivalence(cluster, n, pshape, ranks, gshape, affine):
+    res = cluster.run(n, _bn_case, pshape, ranks, gshape, affine)
+    keys = set()
+    for errs in res:
+        keys |= set(errs)
         assert all(v < TOL for v in errs.values()), errs
+    assert {"y", "dx", "running_var", "eval_y", "eval_dx"} <= keys
 
 
 @pytest.mark.parametrize("kind", ["mse_loss", "cross_entropy"])
