@@ -18,9 +18,9 @@ per (dimension, dtype, device) and reused by every later call, forward and adjoi
 In the adjoint the halo boxes are not cleared after they are sent: no later step reads them
 and the final restriction to the bulk drops them, so the operator is the same.
 
-Global padding is not part of H: the layer pads the result (zeros, or -inf for max
-pooling), or :class:`HaloExchange` does it with ``pad_value=...`` outside the linear
-operator (autograd then slices the gradient).
+Global padding is not part of the linear operator H: the layer pads the result (zeros, or
+-inf for max pooling), or :class:`HaloExchange` writes it into the working buffer with
+``pad_value=...`` (the adjoint drops the padding's gradient with the final restriction).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..decomposition import Decomposition
 from ..errors import HaloError, ShapeError
@@ -87,7 +86,8 @@ class HaloPlan:
     """
 
     def __init__(self, P: Partition, geometry: Sequence[HaloGeometry],
-                 packer: str | None = None) -> None:
+                 packer: str | None = None, fill: float | None = None,
+                 leave_symmetric: bool = False) -> None:
         self.P = P
         self.geometry = tuple(geometry)
         if len(self.geometry) != P.dim:
@@ -97,6 +97,7 @@ class HaloPlan:
                 raise HaloError(f"dimension {a}: geometry for {g.workers} workers but the "
                                 f"partition has {s}")
         self.prefer = packer
+        self.fill = fill
         self.global_shape = tuple(g.size for g in self.geometry)
         self.active = P.active
         self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -106,15 +107,28 @@ class HaloPlan:
             return
         me = tuple(g.worker(c) for g, c in zip(self.geometry, P.coords))
         self.me = me
-        w0 = [w.work[0] for w in me]
+        # global padding: what the working buffer holds (``inbuf``, filled with ``fill``)
+        # and what the local operator still adds (``pads``; symmetric if leave_symmetric)
+        pads = [(w.pad_left, w.pad_right) for w in me]
+        if fill is None:
+            inbuf = [(0, 0)] * P.dim
+            self.pads = tuple(pads)
+        else:
+            sym = [min(p) if leave_symmetric else 0 for p in pads]
+            inbuf = [(lo - s_, hi - s_) for (lo, hi), s_ in zip(pads, sym)]
+            self.pads = tuple((s_, s_) for s_ in sym)
+        self.inbuf = tuple(inbuf)
+        w0 = [w.work[0] - inbuf[a][0] for a, w in enumerate(me)]
         rel = [lambda iv, a=a: (iv[0] - w0[a], iv[1] - w0[a]) for a in range(P.dim)]
-        self.work_shape = tuple(w.work[1] - w.work[0] for w in me)
+        self.work_shape = tuple(w.work[1] + inbuf[a][1] - w0[a] for a, w in enumerate(me))
         self.bulk_box: Box = tuple(rel[a](w.bulk) for a, w in enumerate(me))
-        self.out_box: Box = tuple(rel[a](w.needed) for a, w in enumerate(me))
+        self.out_box: Box = tuple((rel[a](w.needed)[0] - inbuf[a][0],
+                                   rel[a](w.needed)[1] + inbuf[a][1])
+                                  for a, w in enumerate(me))
         self.in_shape = tuple(w.n_inputs for w in me)
-        self.out_shape = tuple(w.local_length for w in me)
-        self.pads = tuple((w.pad_left, w.pad_right) for w in me)
-        self.identity = all(w.work == w.bulk == w.needed for w in me)
+        self.out_shape = tuple(b - a for a, b in self.out_box)
+        self.identity = all(w.work == w.bulk == w.needed for w in me) and not any(
+            lo or hi for lo, hi in inbuf)
         steps = []
         for d in range(P.dim):
             w = me[d]
@@ -238,6 +252,11 @@ class HaloPlan:
         if self.identity and not self.steps:
             return x.clone(memory_format=torch.contiguous_format)
         W = self.allocate(x)
+        for a, (lo, hi) in enumerate(self.inbuf):  # padding slabs first: a later step may
+            if lo:                                # forward a neighbour's (equal) padding
+                W.narrow(a, 0, lo).fill_(self.fill)
+            if hi:
+                W.narrow(a, W.shape[a] - hi, hi).fill_(self.fill)
         self.bulk(W).copy_(x)
         self.exchange_(W)
         return self._restrict(W, self.out_box)
@@ -255,12 +274,13 @@ class HaloPlan:
             G = torch.zeros(self.work_shape, dtype=dy.dtype, device=dy.device)
             self.result(G).copy_(dy)
         self.exchange_adjoint_(G)
-        return self._restrict(G, self.bulk_box)
+        return self._restrict(G, self.bulk_box, copy=False)  # a view: autograd accepts it
 
-    def _restrict(self, W: torch.Tensor, box: Box) -> torch.Tensor:
+    def _restrict(self, W: torch.Tensor, box: Box, copy: bool = True) -> torch.Tensor:
         if box == tuple((0, n) for n in W.shape):
             return W
-        return W[tuple(slice(a, b) for a, b in box)].contiguous()
+        view = W[tuple(slice(a, b) for a, b in box)]
+        return view.contiguous() if copy else view
 
 
 class _HaloFunction(torch.autograd.Function):
@@ -300,8 +320,11 @@ class HaloExchange(torch.nn.Module):
     (on every rank, at construction, when the shape is known up front).
 
     ``pad_value``: ``None`` (default) returns halos and trimmed bulk only -- the layer adds
-    the global padding (``plan.pads``); a number also adds the padding, filled with it.
-    Inactive ranks take and return zero-volume tensors.
+    the global padding (``plan.pads``); a number also adds the padding, filled with it, in
+    the same working buffer (no extra copy). ``op_padding=True`` (with ``pad_value``) adds
+    only the asymmetric part and leaves the symmetric part, ``plan.pads``, to the local
+    op's own ``padding`` argument; a worker with nothing to exchange, trim or pad then gets
+    its block back untouched (no copy). Inactive ranks take and return zero-volume tensors.
     """
 
     def __init__(
@@ -315,18 +338,22 @@ class HaloExchange(torch.nn.Module):
         global_shape: Sequence[int] | None = None,
         geometry: Sequence[HaloGeometry] | None = None,
         pad_value: float | None = None,
+        op_padding: bool = False,
         packer: str | None = None,
     ) -> None:
         super().__init__()
+        if op_padding and pad_value is None:
+            raise ValueError("HaloExchange: op_padding=True needs a pad_value")
         self.P_x = P_x
         self.params = (kernel_size, stride, padding, dilation)
         self.pad_value = pad_value
+        self.op_padding = op_padding
         self.packer = packer
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
         self._by_local: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.last_plan: HaloPlan | None = None
         if geometry is not None:
-            plan = HaloPlan(P_x, geometry, packer)
+            plan = self._new_plan(geometry)
             self._plans[plan.global_shape] = plan
             self._fixed: tuple[int, ...] | None = plan.global_shape
         elif global_shape is not None:
@@ -340,10 +367,12 @@ class HaloExchange(torch.nn.Module):
         g = tuple(int(s) for s in global_shape)
         p = self._plans.get(g)
         if p is None:
-            geo = halo_spec(g, self.P_x.shape, *self.params)
-            p = HaloPlan(self.P_x, geo, self.packer)
+            p = self._new_plan(halo_spec(g, self.P_x.shape, *self.params))
             self._plans[g] = p
         return p
+
+    def _new_plan(self, geometry: Sequence[HaloGeometry]) -> HaloPlan:
+        return HaloPlan(self.P_x, geometry, self.packer, self.pad_value, self.op_padding)
 
     def global_shape_of(self, x: torch.Tensor) -> tuple[int, ...]:
         """Global shape of the distributed tensor whose local block is ``x`` (collective
@@ -366,11 +395,9 @@ class HaloExchange(torch.nn.Module):
                              f"{self.P_x.shape}")
         plan = self.plan(self.global_shape_of(x))
         self.last_plan = plan
-        y = halo_exchange(plan, x)
-        if self.pad_value is not None and any(a or b for a, b in plan.pads):
-            flat = [v for a, b in reversed(plan.pads) for v in (a, b)]
-            y = F.pad(y, flat, value=float(self.pad_value))
-        return y
+        if self.op_padding and plan.identity and not plan.steps:
+            return x
+        return halo_exchange(plan, x)
 
 
 def _inactive_plan(P: Partition) -> HaloPlan:

@@ -29,7 +29,7 @@ from ..errors import PartitionError, ShapeError
 from ..halo import HaloExchange
 from ..partition import Partition
 from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
-from ._halo import exchange_for_op
+from ._halo import exchange_for_op, op_halo
 from ._params import block, connect, parameter
 
 _CONV = {1: (F.conv1d, torch.nn.Conv1d), 2: (F.conv2d, torch.nn.Conv2d),
@@ -121,12 +121,16 @@ class DistributedConvNd(torch.nn.Module):
         Py_view = self.P_y.reshape((pb, pco, 1) + sp)
         self._x_bcast = None if _same(Px_view, self.P_w) else BroadcastOp(Px_view, self.P_w)
         self._y_reduce = None if _same(Py_view, self.P_w) else SumReduceOp(self.P_w, Py_view)
-        # spatial form: the halo adds no padding; the local conv takes the symmetric part
-        # (no copy where a worker has nothing to exchange), F.pad the rest. General form: the
-        # P_w workers outside P_x have no halo plan, so the halo pads everything.
-        self.halo = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
-                                 ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
-                                 pad_value=None if self._x_bcast is None else 0.0)
+        # spatial form: the halo buffer holds the asymmetric part of the zero padding, the
+        # local conv adds the symmetric part (no copy where a worker has nothing to exchange).
+        # General form: the P_w workers outside P_x have no halo plan: the halo pads it all.
+        if self._x_bcast is None:
+            self.halo = op_halo(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
+                                ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d, 0.0)
+        else:
+            self.halo = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
+                                     ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
+                                     pad_value=0.0)
         self._collect_w = RepartitionOp(self.P_r, self.root, wshape)
         self._collect_b = (RepartitionOp(self.P_rb, Partition(self.root.ranks, (1,), world),
                                          (out_channels,)) if bias else None)
@@ -190,8 +194,8 @@ class DistributedConvNd(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
-        if self.halo.pad_value is None:
-            xh, conv_pad = exchange_for_op(self.halo, x, 0.0, self.spatial)
+        if self.halo.op_padding:
+            xh, conv_pad = exchange_for_op(self.halo, x, self.spatial)
         else:
             xh, conv_pad = self.halo(x), 0
         if self._x_bcast is not None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..errors import PartitionError, ShapeError
 from ..halo import HaloExchange
 from ..partition import Partition
-from ._halo import exchange_for_op
+from ._halo import exchange_for_op, op_halo
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -118,8 +118,9 @@ class _DistributedPoolNd(torch.nn.Module):
                         f"padding={p}, dilation={d}): output size is too small")
                 r = max(0, (m - 1) * s + d * (k - 1) + 1 - (L + 2 * p))
                 pads.append((p, p + r))
-            h = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
-                             (1, 1) + self.d, global_shape=g)
+            fill = float("-inf") if self.kind == "max" else 0.0
+            h = op_halo(self.P_x, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
+                        (1, 1) + self.d, fill, global_shape=g)
             self._halos[g] = h
         return h
 
@@ -131,8 +132,7 @@ class _DistributedPoolNd(torch.nn.Module):
                              f"block (N, C, spatial), got shape {tuple(x.shape)}")
         g = self._shapes.global_shape_of(x)
         h = self.halo_for(g)
-        fill = float("-inf") if self.kind == "max" else 0.0
-        xh, pad = exchange_for_op(h, x, fill, self.spatial)  # the op pads ``pad`` itself
+        xh, pad = exchange_for_op(h, x, self.spatial)  # the op pads ``pad`` itself
         return self._pool(xh, pad, g, h)
 
     def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
