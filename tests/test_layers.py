@@ -277,6 +277,37 @@ def test_linear_equivalence(cluster, backend, n, fo_fi, ranks, batch, fin, fout)
     assert keys == {"y", "dx", "dw", "db", "w"}
 
 
+def _linear_leading_dims():
+    """x of shape (2, 3, batch, features): leading dims ride along, features split."""
+    torch.manual_seed(0)
+    P_w = Partition.grid((2, 2))
+    P_x = Partition([P_w.world_rank_of((0, j)) for j in range(2)], (1, 2))
+    P_y = Partition([P_w.world_rank_of((i, 0)) for i in range(2)], (1, 2))
+    seq = torch.nn.Linear(9, 5, dtype=torch.float64)
+    layer = gnn.DistributedLinear(P_x, P_y, P_w, 9, 5, dtype=torch.float64)
+    layer.load_global_state_dict(seq.state_dict())
+    from gpudist import Decomposition
+    G = global_tensor((2, 3, 4, 9), seed=3)
+    fx = Decomposition((9,), (2,))
+    x = (G[..., fx.global_slices((P_x.coords[1],))[0]] if P_x.active else
+         G.new_zeros(0, 0)).clone().requires_grad_(True)
+    y = layer(x)
+    Y = seq(G)
+    fy = Decomposition((5,), (2,))
+    if P_y.active:
+        sl = fy.global_slices((P_y.coords[1],))[0]
+        y.backward(torch.ones_like(y))
+        return {"y": _maxerr(y, Y[..., sl].detach())}
+    y.backward(torch.ones_like(y))
+    return {}
+
+
+def test_linear_leading_dims(cluster):
+    res = cluster.run(4, _linear_leading_dims)
+    assert sum(1 for r in res if "y" in r) == 2
+    assert all(v < TOL for r in res for v in r.values()), res
+
+
 def _bn_case(pshape, ranks, gshape, affine=True):
     P = Partition(ranks, pshape)
     seqcls = {3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}

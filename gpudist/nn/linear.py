@@ -51,8 +51,8 @@ class DistributedLinear(torch.nn.Module):
         self._collect_b = RepartitionOp(self.P_b, root1, (out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.P_x.active and (x.dim() != 2):
-            raise ShapeError(f"DistributedLinear: expected (batch, features) blocks, got "
+        if self.P_x.active and x.dim() < 2:
+            raise ShapeError(f"DistributedLinear: expected (..., batch, features) blocks, got "
                              f"{tuple(x.shape)}")
         xw = self._x_bcast(x)
         if self.P_w.active:
