@@ -40,6 +40,8 @@ class DistributedBatchNorm(torch.nn.Module):
             self._bcast = BroadcastOp(self.root, dst, shape=(num_features,))
         self.register_buffer("running_mean", zeros.clone())
         self.register_buffer("running_var", ones.clone())
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long,
+                                                                 device=dev))
         self._allsum = AllSumReduceOp(P_x, tuple(range(P_x.dim)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +52,7 @@ class DistributedBatchNorm(torch.nn.Module):
         if self.training:
             y, mean, var, n = _SyncBatchNorm.apply(x, w, b, self._allsum, self.eps)
             with torch.no_grad():
+                self.num_batches_tracked.add_(1)
                 m, n = self.momentum, int(n)
                 self.running_mean.mul_(1 - m).add_(m * mean)
                 self.running_var.mul_(1 - m).add_(m * var * n / max(n - 1, 1))
@@ -60,6 +63,29 @@ class DistributedBatchNorm(torch.nn.Module):
         if w is not None:
             scale, shift = scale * w, shift * w + b
         return x * scale.reshape(shape) + shift.reshape(shape)
+
+
+    # -- global state ---------------------------------------------------------
+    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Take a sequential ``torch.nn.BatchNormNd`` state dict (every rank passes it)."""
+        with torch.no_grad():
+            if self.affine and self.root.active:
+                self.weight.data = sd["weight"].detach().clone().to(self.weight)
+                self.bias.data = sd["bias"].detach().clone().to(self.bias)
+            for k in ("running_mean", "running_var", "num_batches_tracked"):
+                if k in sd:
+                    getattr(self, k).copy_(sd[k])
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """The sequential layer's state dict on P_x's first worker, ``{}`` elsewhere (the
+        running statistics are replicated over P_x, the affine parameters live there)."""
+        if not self.root.active:
+            return {}
+        out = {k: getattr(self, k).detach().clone()
+               for k in ("running_mean", "running_var", "num_batches_tracked")}
+        if self.affine:
+            out.update(weight=self.weight.detach().clone(), bias=self.bias.detach().clone())
+        return out
 
 
 class _SyncBatchNorm(torch.autograd.Function):
