@@ -19,6 +19,9 @@ owned entries outside the needed range are *extra* (trimmed before the local ope
 needed indices outside ``[0, n)`` are global *padding* (added by the layer, zeros or -inf).
 The local operator then runs with padding 0 on ``[pad_l | halo_l | trimmed | halo_r | pad_r]``.
 
+:meth:`HaloGeometry.from_intervals` takes the per-worker output and needed ranges directly
+(operators that are not a sliding kernel, e.g. interpolation); the rest is the same.
+
 Halos come only from the direct neighbours: a configuration needing more is a
 :class:`~gpudist.errors.HaloError`, raised identically on every worker because every worker
 computes the whole geometry.
@@ -146,9 +149,41 @@ class HaloGeometry:
     dilation: int = 1
     padding: tuple[int, int] = (0, 0)
     axis: int = 0
+    intervals: tuple[tuple[Interval, Interval], ...] | None = field(default=None, repr=False)
     per_worker: tuple[WorkerHalo, ...] = field(init=False, repr=False, compare=False)
 
+    @classmethod
+    def from_intervals(cls, size: int, outputs: Sequence[Interval], needed: Sequence[Interval],
+                       axis: int = 0) -> HaloGeometry:
+        """A geometry from explicit per-worker intervals instead of kernel parameters.
+
+        ``outputs[i]``: worker ``i``'s output range (half-open; the ranges must tile
+        ``[0, m)`` in worker order); ``needed[i]``: the input range its outputs read, inside
+        ``[0, size]`` (no global padding). Input bulks are block-balanced as usual and the
+        same neighbour rule applies (:class:`HaloError` if a worker needs more than its
+        direct neighbours own). For operators that are not a sliding kernel, e.g.
+        interpolation (:mod:`gpudist.nn.sampling`).
+        """
+        if len(outputs) != len(needed):
+            raise HaloError(f"dimension {axis}: {len(outputs)} output intervals but "
+                            f"{len(needed)} needed intervals")
+        ivs = tuple(((int(o[0]), int(o[1])), (int(n[0]), int(n[1])))
+                    for o, n in zip(outputs, needed))
+        return cls(int(size), len(ivs), axis=axis, intervals=ivs)
+
+    def __repr__(self) -> str:
+        if self.intervals is None:
+            return (f"HaloGeometry(size={self.size}, workers={self.workers}, "
+                    f"kernel={self.kernel}, stride={self.stride}, dilation={self.dilation}, "
+                    f"padding={self.padding}, axis={self.axis})")
+        return (f"HaloGeometry.from_intervals(size={self.size}, "
+                f"outputs={[o for o, _ in self.intervals]}, "
+                f"needed={[n for _, n in self.intervals]}, axis={self.axis})")
+
     def __post_init__(self) -> None:
+        if self.intervals is not None:
+            self._init_from_intervals()
+            return
         pad = self.padding
         if isinstance(pad, int):
             pad = (pad, pad)
@@ -182,6 +217,38 @@ class HaloGeometry:
             pads.append((max(0, min(hi, 0) - lo), max(0, hi - max(lo, n))))
             a, b = min(max(lo, 0), n), max(min(hi, n), 0)
             needs.append((a, max(a, b)))
+        self._finish(outs, bulks, needs, pads,
+                     f"n={n}, kernel={k}, stride={s}, dilation={d}, padding={pad}")
+
+    def _init_from_intervals(self) -> None:
+        n, P, ivs = self.size, self.workers, self.intervals
+        where = f"dimension {self.axis}"
+        if n < 0 or P < 1 or len(ivs) != P:
+            raise HaloError(f"{where}: invalid interval geometry size={n}, workers={P}, "
+                            f"{len(ivs)} intervals (need size>=0, one interval pair per worker)")
+        outs = [o for o, _ in ivs]
+        at = 0
+        for i, (o0, o1) in enumerate(outs):
+            if o0 != at or o1 < o0:
+                raise HaloError(f"{where}: output intervals must tile [0, m) in worker order; "
+                                f"worker {i} has [{o0}, {o1}), expected a start at {at}")
+            at = o1
+        bulks = [block_range(n, P, i) for i in range(P)]
+        needs = []
+        for i, ((o0, o1), (a, b)) in enumerate(ivs):
+            if not 0 <= a <= b <= n:
+                raise HaloError(f"{where}: worker {i} needs input [{a}, {b}), outside "
+                                f"[0, {n}] or reversed")
+            if o1 == o0 or a == b:  # nothing read: an empty range at the bulk start
+                a = b = bulks[i][0]
+            needs.append((a, b))
+        self._finish(outs, bulks, needs, [(0, 0)] * P, f"n={n}, explicit intervals")
+
+    def _finish(self, outs: list[Interval], bulks: list[Interval], needs: list[Interval],
+                pads: list[tuple[int, int]], detail: str) -> None:
+        """Split each worker's needed range into halos and trimmed bulk, check that halos
+        come from the direct neighbours only, and set ``per_worker``."""
+        n, P, where = self.size, self.workers, f"dimension {self.axis}"
         halos = []
         for i, ((a, b), (i0, i1)) in enumerate(zip(needs, bulks)):
             hl = (a, min(b, i0)) if a < i0 else (i0, i0)
@@ -198,8 +265,7 @@ class HaloGeometry:
                         f"{where}: worker {i} of {P} needs a left halo of {_size(hl)} entries "
                         f"(global [{hl[0]}, {hl[1]})) but its left neighbour owns only "
                         f"{_size(nb)} (global [{nb[0]}, {nb[1]})): data from beyond the direct "
-                        f"neighbour (n={n}, kernel={k}, stride={s}, dilation={d}, "
-                        f"padding={pad}); use fewer workers or a larger input"
+                        f"neighbour ({detail}); use fewer workers or a larger input"
                     )
             if _size(hr):
                 nb = bulks[i + 1] if i + 1 < P else (n, n)
@@ -208,8 +274,7 @@ class HaloGeometry:
                         f"{where}: worker {i} of {P} needs a right halo of {_size(hr)} entries "
                         f"(global [{hr[0]}, {hr[1]})) but its right neighbour owns only "
                         f"{_size(nb)} (global [{nb[0]}, {nb[1]})): data from beyond the direct "
-                        f"neighbour (n={n}, kernel={k}, stride={s}, dilation={d}, "
-                        f"padding={pad}); use fewer workers or a larger input"
+                        f"neighbour ({detail}); use fewer workers or a larger input"
                     )
         per = []
         for i in range(P):
@@ -232,6 +297,8 @@ class HaloGeometry:
     @property
     def output_size(self) -> int:
         """Global output length m."""
+        if self.intervals is not None:
+            return self.intervals[-1][0][1]
         s, (pl, pr) = self.stride, self.padding
         return (self.size + pl + pr - self.dilation * (self.kernel - 1) - 1) // s + 1
 

@@ -13,10 +13,18 @@ from .pooling import (
     DistributedMaxPool2d,
     DistributedMaxPool3d,
 )
+from .sampling import (
+    DistributedInterpolate,
+    DistributedUpsample,
+    DistributedUpsamplingBilinear2d,
+    DistributedUpsamplingNearest2d,
+)
 
 __all__ = [
     "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d",
     "DistributedBatchNorm", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d",
-    "DistributedConvNd", "DistributedLinear", "DistributedLoss", "DistributedMaxPool1d",
-    "DistributedMaxPool2d", "DistributedMaxPool3d", "Repartition",
+    "DistributedConvNd", "DistributedInterpolate", "DistributedLinear", "DistributedLoss",
+    "DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
+    "DistributedUpsample", "DistributedUpsamplingBilinear2d", "DistributedUpsamplingNearest2d",
+    "Repartition",
 ]
