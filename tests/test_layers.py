@@ -191,11 +191,17 @@ def _bad_conv(which):
         P_w = Partition.grid((1, 1, 2, 1, 2))
         layer = gnn.DistributedConv2d(Partition.grid((1, 2, 1, 2)), 5, 4, 3, P_w=P_w)
         layer(torch.zeros(1, 2, 4, 4))  # 5 channels over 2 workers: 4 given
+    elif which == "local_shape_outside_P_x":  # ranks 2, 3 hold no input: they must not hang
+        P_w = Partition.grid((1, 2, 2, 1, 1))
+        layer = gnn.DistributedConv2d(Partition([0, 1], (1, 2, 1, 1)), 5, 4, 3, P_w=P_w)
+        x = torch.zeros(1, 2, 4, 4) if layer.P_x.active else torch.zeros(0, 0, 0, 0)
+        layer(x)
 
 
 @pytest.mark.parametrize("which,err", [
     ("groups", "PartitionError"), ("P_x", "PartitionError"), ("channels", "PartitionError"),
-    ("padding_mode", "ValueError"), ("local_shape", "ShapeError")])
+    ("padding_mode", "ValueError"), ("local_shape", "ShapeError"),
+    ("local_shape_outside_P_x", "ShapeError")])
 def test_conv_bad_input_errors_on_every_rank(cluster, which, err):
     errs = cluster.run(4, _bad_conv, which, expect_error=True)
     assert all(e is not None and e.type == err for e in errs), errs

@@ -193,7 +193,12 @@ class DistributedConvNd(torch.nn.Module):
                              f"tensor {g} with {g[1]} channels, expected {self.in_channels}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check(x)
+        try:
+            self._check(x)
+        except ShapeError:
+            if self._x_bcast is not None:  # the P_w ranks outside P_x raise too, not wait
+                self._x_bcast.abort(x.new_zeros(0))
+            raise
         if self.halo.op_padding:
             xh, conv_pad = exchange_for_op(self.halo, x, self.spatial)
         else:

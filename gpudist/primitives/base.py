@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import DeviceError
+from ..errors import DeviceError, ShapeError
 from ..runtime import World
 from ..transport.base import Group
 
@@ -65,16 +65,34 @@ def decode_meta(v: Sequence[int]) -> tuple[bool, torch.dtype | None, str, tuple[
         tuple(int(s) for s in v[4:4 + nd])
 
 
-def gather_meta(world: World, group: Group | None, x: torch.Tensor, active: bool) -> list:
-    """Every member's decoded metadata, in ascending world-rank order (collective)."""
-    mine = torch.tensor(encode_meta(x, active), dtype=torch.int64)
+FAILED = -1  # 'active' flag of a member that rejected its input (see signal_failure)
+
+
+def gather_meta(world: World, group: Group | None, x: torch.Tensor, active: bool | int,
+                what: str = "primitive") -> list:
+    """Every member's decoded metadata, in ascending world-rank order (collective).
+
+    If some member called :func:`signal_failure` instead, every other member raises
+    :class:`ShapeError` naming it (so a bad input is an error on every rank, not a hang).
+    """
+    mine = torch.tensor(encode_meta(x, int(active)), dtype=torch.int64)
     if group is None or group.size == 1:
         return [decode_meta(mine.tolist())]
     dev = meta_device(world, x)
     out = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=dev)
-    world.transport.all_gather(out, mine.to(dev), group).wait()
+    world.transport.all_gather(out, mine.to(dev), group).wait(world.timeout)
     rows = out.cpu().view(group.size, -1).tolist()
+    failed = [r for r, row in zip(group.ranks, rows) if row[0] == FAILED]
+    if failed and active != FAILED:
+        raise ShapeError(f"{what}: rank(s) {failed} rejected their input (their error says "
+                         f"why); this rank stops too")
     return [decode_meta(r) for r in rows]
+
+
+def signal_failure(world: World, group: Group | None, like: torch.Tensor) -> None:
+    """Take part in a metadata exchange as a member whose input was rejected: the others
+    raise instead of waiting for data (the caller then raises its own error)."""
+    gather_meta(world, group, like, FAILED)
 
 
 def check_same_kind(metas: list, ranks: Sequence[int], what: str) -> tuple[torch.dtype, str]:

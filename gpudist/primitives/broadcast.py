@@ -16,7 +16,14 @@ import torch
 from ..errors import PartitionError, ShapeError
 from ..partition import Partition
 from ..transport.base import Group, wait_all
-from .base import Primitive, PrimitiveModule, check_same_kind, gather_meta, zero_volume
+from .base import (
+    Primitive,
+    PrimitiveModule,
+    check_same_kind,
+    gather_meta,
+    signal_failure,
+    zero_volume,
+)
 
 
 @dataclass
@@ -143,7 +150,7 @@ def _shared_shape(plan: FanPlan, x: torch.Tensor, sender_active: bool, what: str
     if static is not None:
         return {}
     g = plan.meta_group()
-    metas = gather_meta(plan.world, g, x, sender_active)
+    metas = gather_meta(plan.world, g, x, sender_active, what)
     ranks = g.ranks if g is not None else (plan.world.rank,)
     check_same_kind(metas, ranks, what)
     return {r: m[3] for r, m in zip(ranks, metas) if m[0]}
@@ -171,6 +178,12 @@ class BroadcastOp(Primitive):
     def adjoint(self, dy, state):
         shape, dtype = state
         return self.plan.reduce(dy, shape)
+
+    def abort(self, like: torch.Tensor) -> None:
+        """Instead of ``forward`` on a rank whose input was rejected: the other ranks raise
+        (only where the op exchanges metadata, i.e. without a ``shape`` hint)."""
+        if self.shape is None:
+            signal_failure(self.plan.world, self.plan.meta_group(), like)
 
 
 class SumReduceOp(Primitive):
