@@ -345,3 +345,26 @@ def test_geometry_from_intervals_errors():
     with pytest.raises(HaloError, match="beyond the direct neighbour"):
         HaloGeometry.from_intervals(12, [(0, 1), (1, 2), (2, 2), (2, 2)],
                                     [(0, 1), (11, 12), (0, 0), (0, 0)])
+
+
+def _fast_and_slow_paths():
+    """Linear modes with integer ratios run torch's kernel on the halo-extended block and
+    crop (the fast path); other ratios use the per-dimension taps. Both equal torch."""
+    P = Partition([0, 1, 2, 3], (1, 1, 2, 2))
+    out = {}
+    for name, opts in (("fast", _up("bilinear", False, scale_factor=2)),
+                       ("fast_size", _up("bilinear", False, size=(26, 30))),
+                       ("slow", _up("bilinear", False, scale_factor=1.7))):
+        layer = gnn.DistributedUpsample(P, **opts)
+        g = (2, 3, 13, 15)
+        out[f"{name}_used"] = layer.plan(g, torch.float64).fast is not None
+        errs = _equivalence((1, 1, 2, 2), [0, 1, 2, 3], g, opts, layer=layer)
+        out.update({f"{name}_{k}": v for k, v in errs.items() if k in ("y", "dx")})
+    return out
+
+
+def test_fast_path_equals_torch(cluster):
+    res = cluster.run(4, _fast_and_slow_paths)
+    assert all(r["fast_used"] and r["fast_size_used"] and not r["slow_used"] for r in res)
+    for key in ("fast_y", "fast_dx", "fast_size_y", "fast_size_dx", "slow_y", "slow_dx"):
+        assert res[0][key] < 1e-10, (key, res[0][key])

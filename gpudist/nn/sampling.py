@@ -267,6 +267,26 @@ class _Plan:
         self.halo = HaloPlan(P, geos)
         self.skip_halo = not P.active or (self.halo.identity and not self.halo.steps)
         self._ops: dict[tuple, list[_DimOp]] = {}
+        self.fast = self._fast_path(layer, g, sizes)
+
+    def _fast_path(self, layer: DistributedUpsample, g: tuple[int, ...],
+                   sizes: tuple[int, ...]) -> tuple[tuple[float, ...], tuple] | None:
+        """(scale factors, crop) when torch's own kernel on the halo-extended block gives
+        this worker's outputs: linear modes, align_corners=False, integer ratios M = s L
+        with torch's scale 1/s. Then the source index of global output o is the local one
+        plus the block's global start (the map is shift-invariant), and the halo holds
+        every tap of the kept outputs, so no local clamping touches them."""
+        if layer.mode not in ("linear", "bilinear", "trilinear") or layer.align_corners:
+            return None
+        scales, crop = [], []
+        for a, ((_, (o0, o1), (i0, i1)), L, M) in enumerate(zip(self.taps, g[2:], sizes)):
+            sf = layer.scale_for(a)
+            if M % L or (sf is not None and sf != M // L) or o1 <= o0 or i1 <= i0:
+                return None
+            k = M // L
+            scales.append(float(k))
+            crop.append(slice(o0 - k * i0, o1 - k * i0))
+        return tuple(scales), (slice(None), slice(None), *crop)
 
     def ops(self, like: torch.Tensor) -> list[_DimOp]:
         """This worker's per-dim ops for ``like``'s dtype and device (cached)."""
@@ -444,6 +464,11 @@ class DistributedUpsample(torch.nn.Module):
                                  self.recompute_scale_factor)
         plan = self.plan(self._shapes.global_shape_of(x), x.dtype)
         y = x if plan.skip_halo else halo_exchange(plan.halo, x)
+        if plan.fast is not None:  # torch's fused kernel on the extended block, cropped
+            scales, crop = plan.fast
+            full = F.interpolate(y, scale_factor=scales, mode=self.mode, align_corners=False)
+            out = full[crop]
+            return out if out.shape == full.shape else out.contiguous()
         for op in plan.ops(x):
             y = op.apply(y)
         if y is x:  # every dim an identity: still a new tensor, like torch
