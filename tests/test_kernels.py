@@ -368,3 +368,20 @@ def test_bench_kernels_writes_json_and_csv(tmp_path):
                    ("torch", "unpack-add")}
     assert all(r["time_us"] > 0 and r["bytes"] == 2 * 2 * 4 * 32 * 4 for r in data["rows"])
     assert (tmp_path / "kernels_cpu.csv").read_text().startswith("impl,op,device")
+
+
+def test_cuda_source_ships_with_the_package():
+    """The CUDA C++ source is found inside the package (a symlink to csrc/ in a checkout,
+    a copy in a wheel via package-data), so a wheel install can compile the kernels."""
+    from pathlib import Path
+
+    import gpudist.kernels
+    from gpudist.kernels.cupy_pack import source_path
+
+    pkg = Path(gpudist.kernels.__file__).parent
+    p = source_path()
+    assert p.is_file() and p.parent == pkg / "csrc", p
+    assert "__global__" in p.read_text()
+    root = pkg.parents[1]
+    text = (root / "pyproject.toml").read_text()
+    assert '"gpudist.kernels" = ["csrc/*.cu"' in text

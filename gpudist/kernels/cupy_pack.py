@@ -25,11 +25,14 @@ _ADD_T = {torch.float32: "float", torch.float64: "double", torch.float16: "f16",
 
 
 def source_path() -> Path:
-    """Where ``halo_pack.cu`` lives (``GPUDIST_CSRC`` overrides the folder)."""
+    """Where ``halo_pack.cu`` lives: ``GPUDIST_CSRC`` if set, else ``gpudist/kernels/csrc``
+    (in a checkout a symlink to the top-level ``csrc/``, in a wheel a copy)."""
     env = os.environ.get("GPUDIST_CSRC")
     if env:
         return Path(env) / "halo_pack.cu"
-    return Path(__file__).resolve().parents[2] / "csrc" / "halo_pack.cu"
+    here = Path(__file__).resolve().parent / "csrc" / "halo_pack.cu"
+    return here if here.is_file() else Path(__file__).resolve().parents[2] / "csrc" / \
+        "halo_pack.cu"
 
 
 def name_expressions() -> list[str]:
