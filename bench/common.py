@@ -386,3 +386,19 @@ def run_suite(name: str, fn: SuiteFn, args, argv: list[str],
         print_table(rows, columns)
     print(f"wrote {jpath} and {cpath}")
     return rows
+
+
+class RawBackend:
+    """The backend a bench compares against, called directly: mpi4py's COMM_WORLD or
+    ``torch.distributed`` (subclasses add the raw calls they time)."""
+
+    def __init__(self, world) -> None:
+        self.mpi = world.backend == "mpi"
+        if self.mpi:
+            from mpi4py import MPI
+
+            self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        else:
+            import torch.distributed as dist
+
+            self.dist = dist

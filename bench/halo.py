@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import Timer, add_common_args, progress, run_suite
+from .common import RawBackend, Timer, add_common_args, progress, run_suite
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -21,18 +21,7 @@ def _grid(n: int) -> tuple[int, int]:
     return (n // 2, 2)
 
 
-class _P2P:
-    def __init__(self, world) -> None:
-        self.mpi = world.backend == "mpi"
-        if self.mpi:
-            from mpi4py import MPI
-
-            self.MPI, self.comm = MPI, MPI.COMM_WORLD
-        else:
-            import torch.distributed as dist
-
-            self.dist = dist
-
+class _P2P(RawBackend):
     def exchange(self, pairs) -> None:
         """pairs: [(peer, send_buf, recv_buf)] all posted at once, then waited."""
         if self.mpi:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import KiB, MiB, Timer, add_common_args, progress, run_suite
+from .common import KiB, MiB, RawBackend, Timer, add_common_args, progress, run_suite
 
 PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "allgather"]
 BUSBW = {"broadcast": lambda n: 1.0, "sumreduce": lambda n: 1.0,
@@ -52,19 +52,8 @@ def _parse(s: str) -> int:
     return int(s)
 
 
-class _Raw:
+class _Raw(RawBackend):
     """Raw backend calls on preallocated buffers (torch.distributed or mpi4py)."""
-
-    def __init__(self, world) -> None:
-        self.mpi = world.backend == "mpi"
-        if self.mpi:
-            from mpi4py import MPI
-
-            self.MPI, self.comm = MPI, MPI.COMM_WORLD
-        else:
-            import torch.distributed as dist
-
-            self.dist = dist
 
     @staticmethod
     def _np(t):
