@@ -21,17 +21,12 @@ import argparse
 import csv
 import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -57,7 +52,6 @@ def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--_result", default=None, help=argparse.SUPPRESS)
 
 
 def device_of(args) -> str:
@@ -238,117 +232,42 @@ def print_table(rows: list[dict], cols: Sequence[str]) -> None:
 SuiteFn = Callable[[argparse.Namespace, object], list[dict]]
 
 
-def _rank_main(fn: SuiteFn, args, rank: int | None, size: int | None, store_path: str | None,
-               result_path: str | None) -> None:
+def _suite_task(fn: SuiteFn, args) -> list[dict] | None:
+    """One rank of a :mod:`gpudist.launch` pool: run the suite, rows from rank 0."""
+    import gpudist
+
+    world = gpudist.world()
+    rows = fn(args, world)
+    Timer(world, 0, 0).barrier()
+    if world.rank != 0:
+        return None
+    info = machine_info(world.backend)
+    return [dict(r, _meta=info) for r in rows] if rows else rows
+
+
+def _launch(fn: SuiteFn, args, n: int, backend: str) -> list[dict]:
+    from gpudist import launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    kw = {"device": device_of(args), "comm_timeout": args.timeout,
+          "threads": int(os.environ.get("OMP_NUM_THREADS", "1"))}
+    if backend == "mpi":
+        kw["pythonpath"] = [str(ROOT)]
+    return launch.run(_suite_task, n, fn, args, backend=backend, timeout=args.timeout, **kw)[0]
+
+
+def _env_main(fn: SuiteFn, args) -> list[dict] | None:
+    """This process is one rank of a job started by torchrun / mpiexec / srun."""
     import torch
-    import torch.distributed as dist
 
     import gpudist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dev = device_of(args)
-    if rank is not None:
-        store = dist.FileStore(store_path, size)
-        world = gpudist.init(backend=args.backend, device=dev, rank=rank, world_size=size,
-                             store=store, timeout=args.timeout)
-    else:
-        world = gpudist.init(backend=args.backend, device=dev, timeout=args.timeout)
-    rows = fn(args, world)
-    if world.rank == 0 and result_path:
-        Path(result_path).write_text(json.dumps(rows, default=str))
-    Timer(world, 0, 0).barrier()
-    gpudist.finalize()
-    return rows if world.rank == 0 else None
-
-
-def _fork_child(fn, args, rank, size, store_path, result_path) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    code = 0
-    import faulthandler
-
-    faulthandler.dump_traceback_later(max(1.0, args.timeout - 2), exit=True)
+    gpudist.init(backend=args.backend, device=device_of(args), timeout=args.timeout)
     try:
-        from gpudist import runtime
-
-        runtime._WORLD = None
-        _rank_main(fn, args, rank, size, store_path, result_path)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _launch_fork(fn: SuiteFn, args, n: int) -> list[dict]:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch  # noqa: F401  (import once here: children inherit it)
-
-    import gpudist  # noqa: F401
-    ctx = mp.get_context("fork")
-    tmp = tempfile.mkdtemp(prefix="gpudist-bench-")
-    store, result = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
-    procs = [ctx.Process(target=_fork_child, args=(fn, args, r, n, store, result))
-             for r in range(n)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + args.timeout
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-        if bad:
-            raise RuntimeError(f"bench ranks failed or timed out (rank, exit code): {bad}")
-        return json.loads(Path(result).read_text())
+        return _suite_task(fn, args)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def mpiexec() -> str:
-    cand = Path(sys.executable).parent / "mpiexec"
-    if cand.exists():
-        return str(cand)
-    exe = shutil.which("mpiexec")
-    if exe is None:
-        raise RuntimeError("mpiexec not found (install MPICH/Open MPI or use --backend gloo)")
-    return exe
-
-
-def _launch_mpi(subcommand: str, argv: list[str], n: int, timeout: float) -> list[dict]:
-    tmp = tempfile.mkdtemp(prefix="gpudist-bench-")
-    result = os.path.join(tmp, "rows.json")
-    argv = _strip(argv, {"--ranks", "-n", "--launcher"})
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "bench", subcommand, *argv,
-           "--ranks", str(n), "--launcher", "env", "--_result", result]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
-        return json.loads(Path(result).read_text())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _strip(argv: list[str], flags: set[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in flags:
-            skip = True
-            continue
-        if any(a.startswith(f + "=") for f in flags):
-            continue
-        out.append(a)
-    return out
+        gpudist.finalize()
 
 
 def run_suite(name: str, fn: SuiteFn, args, argv: list[str],
@@ -360,22 +279,18 @@ def run_suite(name: str, fn: SuiteFn, args, argv: list[str],
     """
     launcher = args.launcher or ("mpi" if args.backend == "mpi" else "fork")
     counts = list(rank_counts or [args.ranks])
-    result_path = getattr(args, "_result", None)
     if launcher == "env":
-        rows = _rank_main(fn, args, None, None, None, result_path)
-        if rows is None or result_path:  # not rank 0, or a child of the mpi launcher
+        rows = _env_main(fn, args)
+        if rows is None:  # not rank 0
             return None
     else:
         rows = []
         for n in counts:
             a = argparse.Namespace(**vars(args))
             a.ranks = n
-            if launcher == "mpi":
-                sub_argv = _strip(argv, {"--ranks", "-n"})
-                rows += _launch_mpi(name, sub_argv + ["--ranks", str(n)], n, args.timeout)
-            else:
-                rows += _launch_fork(fn, a, n)
-    meta = machine_info(args.backend)
+            rows += _launch(fn, a, n, "mpi" if launcher == "mpi" else args.backend)
+    metas = [r.pop("_meta") for r in rows if "_meta" in r]
+    meta = metas[0] if metas else machine_info(args.backend)
     meta.update({"suite": name, "argv": [sys.executable, "-m", "bench", name, *argv],
                  "ranks": counts, "launcher": launcher, "warmup": args.warmup,
                  "repeats": args.repeats})

@@ -1,11 +1,21 @@
-"""Halo exchange of a 2-D partition vs raw neighbour isend/irecv of the same bytes.
+"""Halo exchange of a 2-D partition vs raw neighbour send/receive of the same faces.
 
 Default case (DESIGN section 9): global (1,16,1024,1024) float32 over a (1,1,2,2) partition
 (ranks//2 x 2 in general), 3x3 kernel, stride 1, padding 1, so halo width 1 on interior
-faces. gpudist: ``HaloExchange(P_x, 3, 1, 1, 1)`` forward (and forward + adjoint), with and
-without the ``global_shape`` hint. Raw: per dimension, in the same order as gpudist (so the
-corners travel through two hops), isend/irecv of preallocated contiguous buffers of the
-same sizes to the same neighbours -- no packing, no copy of the local tensor.
+faces. Rows (``mode``):
+
+* ``exchange`` -- gpudist's exchange-only operator, in place on a working buffer that
+  already holds the block (``plan.exchange_(W)``), vs the raw references;
+* ``exchange+adjoint`` -- ``exchange_`` then ``exchange_adjoint_`` (the adjoint adds);
+* ``operator`` / ``operator fwd+adj`` -- the whole primitive ``H(x)`` (block copied into the
+  plan's buffer, then exchanged) and its autograd backward.
+
+References, both on preallocated buffers, per dimension in gpudist's order (corners travel
+through two hops), to the same neighbours: ``raw_inplace`` sends/receives contiguous
+buffers of the faces' sizes (no packing: the wire alone); ``raw_pack`` also packs the
+strided faces out of the working buffer and unpacks the received ones with plain torch
+indexing (unpack-add in the adjoint) -- the work gpudist must do too. ``ratio`` is gpudist
+over ``raw_pack``; ``ratio_inplace`` over ``raw_inplace``.
 """
 
 from __future__ import annotations
@@ -27,97 +37,140 @@ class _P2P(RawBackend):
         if self.mpi:
             reqs = []
             for peer, s, r in pairs:
-                reqs.append(self.comm.Irecv(r.numpy(), source=peer, tag=11))
-                reqs.append(self.comm.Isend(s.numpy(), dest=peer, tag=11))
+                if r is not None:
+                    reqs.append(self.comm.Irecv(r.numpy(), source=peer, tag=11))
+                if s is not None:
+                    reqs.append(self.comm.Isend(s.numpy(), dest=peer, tag=11))
             self.MPI.Request.Waitall(reqs)
         else:
             works = []
             for peer, s, r in pairs:
-                works.append(self.dist.irecv(r, peer))
-                works.append(self.dist.isend(s, peer))
+                if r is not None:
+                    works.append(self.dist.irecv(r, peer))
+                if s is not None:
+                    works.append(self.dist.isend(s, peer))
             for w in works:
                 w.wait()
+
+
+def _sl(box):
+    return tuple(slice(a, b) for a, b in box)
+
+
+def _numel(box):
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
 
 
 def run(args, world) -> list[dict]:
     import torch
 
-    from gpudist import Partition
+    from gpudist import DistTensor, Partition, TensorSpec
     from gpudist.halo import HaloExchange
 
     n = world.size
     ph, pw = _grid(n)
-    used = ph * pw
     shape = tuple(args.shape) if not args.quick else (1, 4, 64, 64)
     k = args.kernel
     pad = k // 2
     P = Partition.grid((1, 1, ph, pw))
     timer = Timer(world, args.warmup, args.repeats)
-    active = world.rank < used
     dev = world.device
-    if active:
-        i, j = P.coords_of(P.index)[2:]
-        lh = shape[2] // ph + (1 if i < shape[2] % ph else 0)
-        lw = shape[3] // pw + (1 if j < shape[3] % pw else 0)
-        local = (shape[0], shape[1], lh, lw)
-    else:
-        local = (0, shape[1], 0, 0)
-    x = torch.rand(*local, device=dev)
+    spec = TensorSpec(P, shape, torch.float32, dev.type)
+    x = torch.rand(spec.local_shape, device=dev)
+    H = HaloExchange(P, k, 1, pad, 1)
     rows = []
     bar = progress(world, 2, f"halo {world.backend} x{n}", args.no_progress)
 
-    # raw: same neighbours, same byte counts, per-dimension steps like gpudist
+    hp = H.local_plan(spec) if P.active else None
+    W = torch.zeros(hp.work_shape, device=dev) if hp else None
+    if hp:
+        hp.bulk(W).copy_(x)
     raw = _P2P(world)
+    # per step: [(peer, send box, recv box)] from the plan's geometry; buffers preallocated
     steps = []
-    if active:
-        h = pad
-        nb_h, nb_w = P.neighbors(2), P.neighbors(3)
-        n_h = sum(1 for q in nb_h if q is not None)
-        # dim H first: faces h rows x local W; then dim W: h columns x (local H + H halos)
-        for nb, cnt in ((nb_h, local[0] * local[1] * h * local[3]),
-                        (nb_w, local[0] * local[1] * h * (local[2] + n_h * h))):
-            steps.append([(q, torch.rand(cnt, device=dev), torch.empty(cnt, device=dev))
-                          for q in nb if q is not None])
-    halo_bytes = sum(s.numel() * 4 for st in steps for _, s, _ in st)
+    for st in (hp.steps if hp else ()):
+        faces = []
+        for i, peer in enumerate(st.peers):
+            if peer is None:
+                continue
+            sb, rb = st.send[i], st.recv[i]
+            faces.append((peer, sb, rb,
+                          torch.rand(_numel(sb), device=dev) if _numel(sb) else None,
+                          torch.empty(_numel(rb), device=dev) if _numel(rb) else None))
+        steps.append(faces)
+    halo_bytes = sum(4 * _numel(f[1]) for st in steps for f in st)
 
-    def raw_fwd():
-        for st in steps:
-            if st:
-                raw.exchange(st)
+    def raw_inplace(adjoint=False):
+        for st in (reversed(steps) if adjoint else steps):
+            raw.exchange([(p, s, r) if not adjoint else (p, r, s) for p, _, _, s, r in st])
 
-    def raw_adj():
-        raw_fwd()
-        for st in reversed(steps):
-            if st:
-                raw.exchange(st)
+    def raw_pack(adjoint=False):
+        for st in (reversed(steps) if adjoint else steps):
+            for _, sb, rb, s, r in st:  # pack what goes out
+                src, buf = (rb, r) if adjoint else (sb, s)
+                if buf is not None:
+                    buf.view([b - a for a, b in src]).copy_(W[_sl(src)])
+            raw.exchange([(p, s, r) if not adjoint else (p, r, s) for p, _, _, s, r in st])
+            for _, sb, rb, s, r in st:  # unpack what came in (add in the adjoint)
+                dst, buf = (sb, s) if adjoint else (rb, r)
+                if buf is not None:
+                    view = buf.view([b - a for a, b in dst])
+                    if adjoint:
+                        W[_sl(dst)].add_(view)
+                    else:
+                        W[_sl(dst)].copy_(view)
 
-    for hint in (True, False):
-        H = HaloExchange(P, k, 1, pad, 1, global_shape=shape if hint else None)
-        xg = x.clone().requires_grad_(True)
-        y0 = H(x)
-        dy = torch.rand_like(y0)
+    def g_exchange():
+        if hp:
+            hp.exchange_(W)
 
-        def g_fwd(H=H):
-            with torch.no_grad():
-                H(x)
+    def g_exchange_adj():
+        if hp:
+            hp.exchange_(W)
+            hp.exchange_adjoint_(W)
 
-        def g_adj(H=H, xg=xg, dy=dy):
-            H(xg).backward(dy)
+    cases = {"g_ex": g_exchange, "r_in": raw_inplace, "r_pk": raw_pack,
+             "g_exa": g_exchange_adj, "r_ina": lambda: (raw_inplace(), raw_inplace(True)),
+             "r_pka": lambda: (raw_pack(), raw_pack(True))}
+    res = timer.time(cases)
+    bar.update()
 
-        res = timer.time({"g_fwd": g_fwd, "r_fwd": raw_fwd, "g_adj": g_adj, "r_adj": raw_adj})
-        tot_bytes = timer.max_over_ranks([float(halo_bytes)])[0]
-        for mode, g, r in (("fwd", "g_fwd", "r_fwd"), ("fwd+adj", "g_adj", "r_adj")):
-            tg, tr = res[g]["median_s"], res[r]["median_s"]
-            rows.append({
-                "case": "halo", "backend": world.backend, "ranks": n, "partition": f"1x1x{ph}x{pw}",
-                "global_shape": "x".join(map(str, shape)), "kernel": k, "mode": mode, "hint": hint,
-                "halo_bytes_per_rank": int(tot_bytes),
-                "gpudist_ms": tg * 1e3, "raw_ms": tr * 1e3, "ratio": tg / tr,
-                "gpudist_p25_ms": res[g]["p25_s"] * 1e3, "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
-                "raw_p25_ms": res[r]["p25_s"] * 1e3, "raw_p75_ms": res[r]["p75_s"] * 1e3,
-            })
-        bar.update()
+    xd = DistTensor(x, spec)
+    xg = DistTensor(x.clone().requires_grad_(True), spec)
+    y0 = H(xd)
+    dy = torch.rand_like(y0)
+
+    def g_op():
+        with torch.no_grad():
+            H(xd)
+
+    def g_op_adj():
+        H(xg).backward(dy)
+
+    res.update(timer.time({"g_op": g_op, "g_opa": g_op_adj, "r_pk": raw_pack,
+                           "r_pka": lambda: (raw_pack(), raw_pack(True)),
+                           "r_in": raw_inplace,
+                           "r_ina": lambda: (raw_inplace(), raw_inplace(True))}))
+    bar.update()
     bar.close()
+    tot_bytes = timer.max_over_ranks([float(halo_bytes)])[0]
+    for mode, g, rp, ri in (("exchange", "g_ex", "r_pk", "r_in"),
+                            ("exchange+adjoint", "g_exa", "r_pka", "r_ina"),
+                            ("operator", "g_op", "r_pk", "r_in"),
+                            ("operator fwd+adj", "g_opa", "r_pka", "r_ina")):
+        tg, tp, ti = res[g]["median_s"], res[rp]["median_s"], res[ri]["median_s"]
+        rows.append({
+            "case": "halo", "backend": world.backend, "ranks": n, "partition": f"1x1x{ph}x{pw}",
+            "global_shape": "x".join(map(str, shape)), "kernel": k, "mode": mode,
+            "halo_bytes_per_rank": int(tot_bytes),
+            "gpudist_ms": tg * 1e3, "raw_pack_ms": tp * 1e3, "raw_inplace_ms": ti * 1e3,
+            "raw_ms": tp * 1e3, "ratio": tg / tp, "ratio_inplace": tg / ti,
+            "gpudist_p25_ms": res[g]["p25_s"] * 1e3, "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
+            "raw_p25_ms": res[rp]["p25_s"] * 1e3, "raw_p75_ms": res[rp]["p75_s"] * 1e3,
+        })
     return rows
 
 
@@ -127,8 +180,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel", type=int, default=3)
 
 
-COLUMNS = ["partition", "global_shape", "mode", "hint", "halo_bytes_per_rank", "gpudist_ms",
-           "raw_ms", "ratio"]
+COLUMNS = ["partition", "global_shape", "mode", "halo_bytes_per_rank", "gpudist_ms",
+           "raw_pack_ms", "raw_inplace_ms", "ratio", "ratio_inplace"]
 
 
 def main(args, argv) -> None:

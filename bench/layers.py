@@ -34,11 +34,14 @@ def grid2(n: int) -> tuple[int, int]:
 
 
 def _block(G, P):
-    from gpudist import Decomposition
+    """This rank's block of ``G`` over ``P`` as a DistTensor (its spec carried)."""
+    from gpudist import Decomposition, DistTensor
 
     if not P.active:
-        return G.new_zeros((0,) * G.dim())
-    return G[Decomposition(tuple(G.shape), P.shape).global_slices(P.coords)].contiguous()
+        loc = G.new_zeros((0,) * G.dim())
+    else:
+        loc = G[Decomposition(tuple(G.shape), P.shape).global_slices(P.coords)].contiguous()
+    return DistTensor.from_local(loc, P, tuple(G.shape))
 
 
 def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int]):
@@ -61,7 +64,7 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
         layer = gnn.DistributedConv2d(P, c, c, 3, 1, 1, device=dev)
         ref = torch.nn.Conv2d(c, c, 3, 1, 1, device=dev)
         rfn = ref if whole else (lambda t: F.conv2d(t, ref.weight, ref.bias, 1, 1))
-        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+        return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"
     if name == "conv2d_chan":
         if n % 2:
             return None
@@ -86,11 +89,11 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
         else:
             layer, ref = gnn.DistributedAvgPool2d(P, 2, 2), torch.nn.AvgPool2d(2, 2)
             rfn = ref
-        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+        return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"
     if name == "batchnorm2d":
         layer = gnn.DistributedBatchNorm(P, c, device=dev)
         ref = torch.nn.BatchNorm2d(c, device=dev)
-        return layer, x, ref, (G if whole else x), f"1x1x{ph}x{pw}"
+        return layer, x, ref, (G if whole else x.local), f"1x1x{ph}x{pw}"
     if name == "upsample2d":
         cls = getattr(gnn, "DistributedUpsample", None)
         if cls is None:
@@ -99,7 +102,7 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
 
         def rfn(t):
             return F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=False)
-        return layer, x, rfn, (G if whole else x), f"1x1x{ph}x{pw}"
+        return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"
     if name == "linear":
         batch, fin, fout = feat
         fo, fi = (1, 1) if whole else (2, n // 2)
@@ -122,6 +125,8 @@ def layer_case(args, world, name: str, shape, feat) -> dict | None:
     built = _build(name, world, shape, feat)
     if built is None:
         return None
+    from gpudist import DistTensor
+
     layer, x, rfn, xr, label = built
     dev = world.device
     x = x.detach().requires_grad_(True)
@@ -133,6 +138,7 @@ def layer_case(args, world, name: str, shape, feat) -> dict | None:
     def run_(fn: Callable, t):
         def go():
             y = fn(t)
+            y = y.local if isinstance(y, DistTensor) else y
             (y.sum() if y.numel() else y.sum() * 0).backward()
         return go
 

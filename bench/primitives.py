@@ -10,13 +10,17 @@ sumreduce      SumReduce (n,) -> root           reduce | Reduce     (size bytes)
 allsumreduce   AllSumReduce((n,), axes=(0,))    all_reduce | Allreduce             2(n-1)/n
 repartition    Repartition (n,1) -> (1,n)       all_to_all_single | Alltoall       (n-1)/n
 allgather      AllGather((n,), 0, 0)            all_gather_into_tensor | Allgather (n-1)/n
+reducescatter  ReduceScatter((n,), 0, 0)        reduce_scatter_tensor | Reduce_    (n-1)/n
+                                                scatter_block (gloo: all_reduce)
 =============  ===============================  =================================  ========
 
 ``size`` follows nccl-tests: the per-rank buffer for broadcast/reduce/all-reduce/all-to-all,
 the gathered (output) buffer for all-gather. ``fwd`` times the forward; ``fwd+adj`` times
 forward + backward (the adjoint: reduce for broadcast, broadcast for reduce, ...), compared
-with the raw forward call followed by the raw adjoint call. ``hint`` says whether the
-shape hint (``shape=`` / ``global_shape=``) was given (no per-call metadata exchange).
+with the raw forward call followed by the raw adjoint call. ``spec`` says whether the input
+was a :class:`gpudist.DistTensor` (its spec carried: no metadata exchange, the normal case
+between layers) or a plain local block (its spec found by a metadata exchange, once per
+local shape where every participant holds a block, every call otherwise).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import argparse
 
 from .common import KiB, MiB, RawBackend, Timer, add_common_args, progress, run_suite
 
-PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "allgather"]
+PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "allgather",
+         "reducescatter"]
 BUSBW = {"broadcast": lambda n: 1.0, "sumreduce": lambda n: 1.0,
          "allsumreduce": lambda n: 2 * (n - 1) / n, "repartition": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n}
+         "allgather": lambda n: (n - 1) / n, "reducescatter": lambda n: (n - 1) / n}
 
 
 def sizes_of(args) -> list[int]:
@@ -90,13 +95,29 @@ class _Raw(RawBackend):
             (getattr(self.dist, "all_gather_single", None)
              or self.dist.all_gather_into_tensor)(out, buf)
 
+    def reduce_scatter(self, out, buf):
+        if self.mpi:
+            self.comm.Reduce_scatter_block(self._np(buf), self._np(out), op=self.MPI.SUM)
+        elif self.dist.get_backend() == "gloo":  # gloo has none: the all-reduce it costs
+            self.dist.all_reduce(buf)
+        else:
+            self.dist.reduce_scatter_tensor(out, buf)
+
 
 def _cases(prim: str, size: int, world, hint: bool):
-    """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj) closures."""
+    """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj) closures; ``hint``: the input
+    is a DistTensor (else a plain block)."""
     import torch
 
-    from gpudist import Partition
-    from gpudist.primitives import AllGather, AllSumReduce, Broadcast, Repartition, SumReduce
+    from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
+    from gpudist.primitives import (
+        AllGather,
+        AllSumReduce,
+        Broadcast,
+        ReduceScatter,
+        Repartition,
+        SumReduce,
+    )
 
     n, r = world.size, world.rank
     dev = world.device
@@ -110,8 +131,9 @@ def _cases(prim: str, size: int, world, hint: bool):
     empty = torch.empty(0, **f32)
 
     if prim == "broadcast":
-        op = Broadcast(root, P, shape=(numel,) if hint else None)
+        op = Broadcast(root, P)
         x = full if r == 0 else empty
+        spec = TensorSpec(root, (numel,), torch.float32, dev.type)
         dy = torch.rand(numel, **f32)
 
         def rf():
@@ -121,8 +143,9 @@ def _cases(prim: str, size: int, world, hint: bool):
             raw.broadcast(full)
             raw.reduce(dy, other)
     elif prim == "sumreduce":
-        op = SumReduce(P, root, shape=(numel,) if hint else None)
+        op = SumReduce(P, root)
         x = full
+        spec = TensorSpec(P, (numel,), torch.float32, dev.type, (PARTIAL,))
         dy = torch.rand(numel, **f32) if r == 0 else empty
 
         def rf():
@@ -134,6 +157,7 @@ def _cases(prim: str, size: int, world, hint: bool):
     elif prim == "allsumreduce":
         op = AllSumReduce(P, axes=(0,))
         x = full
+        spec = TensorSpec(P, (numel,), torch.float32, dev.type, (PARTIAL,))
         dy = torch.rand(numel, **f32)
 
         def rf():
@@ -145,9 +169,9 @@ def _cases(prim: str, size: int, world, hint: bool):
     elif prim == "repartition":
         m = max(1, numel // n)
         g = (n * m, n)  # local in (m, n) on (n,1); local out (n*m, 1) on (1,n)
-        op = Repartition(Partition.grid((n, 1)), Partition.grid((1, n)),
-                         global_shape=g if hint else None)
+        op = Repartition(Partition.grid((n, 1)), Partition.grid((1, n)))
         x = torch.rand(m, n, **f32)
+        spec = TensorSpec(Partition.grid((n, 1)), g, torch.float32, dev.type)
         dy = torch.rand(n * m, 1, **f32)
         src = x.reshape(-1).contiguous()
         dst = torch.empty_like(src)
@@ -162,6 +186,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         m = max(1, numel // n)
         op = AllGather(P, 0, 0)
         x = torch.rand(m, **f32)
+        spec = TensorSpec(P, (n * m,), torch.float32, dev.type)
         dy = torch.rand(n * m, **f32)
         gout = torch.empty(n * m, **f32)
 
@@ -172,23 +197,47 @@ def _cases(prim: str, size: int, world, hint: bool):
             # adjoint of all-gather is reduce-scatter; gloo has none, so the raw pair is
             # all-gather + all-reduce of the gathered buffer (an upper bound on raw work)
             raw.all_gather(gout, x)
-            raw.all_reduce(dy, gout)
+            raw.reduce_scatter(x, dy)
+    elif prim == "reducescatter":
+        m = max(1, numel // n)
+        op = ReduceScatter(P, 0, 0)
+        x = torch.rand(n * m, **f32)
+        dy = torch.rand(m, **f32)
+        rout = torch.empty(m, **f32)
+        gout = torch.empty(n * m, **f32)
+        spec = TensorSpec(P, (n * m,), torch.float32, dev.type, (PARTIAL,))
+        # the raw call may work in place (gloo all-reduces its buffer): time it on a copy
+        scratch = x.clone()
+
+        def rf():
+            raw.reduce_scatter(rout, scratch)
+
+        def ra():
+            raw.reduce_scatter(rout, scratch)
+            raw.all_gather(gout, dy)
     else:
         raise ValueError(prim)
 
+    def wrap(t):
+        return DistTensor(t, spec) if hint else t
+
+    def local(y):
+        return y.local if isinstance(y, DistTensor) else y
+
     # every rank requires grad (zero-volume inputs too) so that every rank runs the adjoint
     xg = x.clone().requires_grad_(True)
+    xd, xgd = wrap(x), wrap(xg)
     with torch.no_grad():
-        y0 = op(x)
+        y0 = local(op(xd))
     if tuple(dy.shape) != tuple(y0.shape):
         dy = torch.rand_like(y0)
 
     def gf():
         with torch.no_grad():
-            op(x)
+            op(xd)
 
     def ga():
-        op(xg).backward(dy)
+        local(op(xgd)).backward(dy)
 
     return gf, ga, rf, ra
 
@@ -234,7 +283,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", nargs="*", default=None, help="e.g. 1MiB 64MiB (default: sweep)")
     p.add_argument("--max-size", type=_parse, default=64 * MiB)
     p.add_argument("--no-hint-compare", action="store_true",
-                   help="only time with shape hints (skip the metadata-exchange variant)")
+                   help="only time DistTensor inputs (skip the plain-block variant)")
 
 
 COLUMNS = ["primitive", "bytes", "mode", "hint", "gpudist_ms", "raw_ms", "ratio",

@@ -8,16 +8,30 @@ from .errors import (
     GpudistError,
     HaloError,
     LaunchError,
+    MismatchError,
     PartitionError,
+    RemoteError,
     ShapeError,
+    WorldAborted,
 )
 from .partition import Partition
-from .runtime import LaunchEnv, World, detect_launch, finalize, init, is_initialized, world
+from .runtime import (
+    LaunchEnv,
+    World,
+    detect_launch,
+    finalize,
+    init,
+    is_initialized,
+    reset,
+    world,
+)
+from .spec import PARTIAL, REPLICATE, DistTensor, TensorSpec
 
 __all__ = [
-    "CommTimeout", "Decomposition", "DeviceError", "GpudistError", "HaloError", "LaunchEnv",
-    "LaunchError", "Partition", "PartitionError", "ShapeError", "World", "block_range",
-    "block_sizes", "block_starts", "detect_launch", "finalize", "init", "is_initialized",
-    "world",
+    "PARTIAL", "REPLICATE", "CommTimeout", "Decomposition", "DeviceError", "DistTensor",
+    "GpudistError", "HaloError", "LaunchEnv", "LaunchError", "MismatchError", "Partition",
+    "PartitionError", "RemoteError", "ShapeError", "TensorSpec", "World", "WorldAborted",
+    "block_range", "block_sizes", "block_starts", "detect_launch", "finalize", "init",
+    "is_initialized", "reset", "world",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,4 +1,15 @@
-"""Exceptions raised by gpudist. Each names the problem; collective checks raise on every rank."""
+"""Exceptions raised by gpudist. Each names the problem.
+
+Two kinds of failure, told apart by :func:`raised_everywhere`:
+
+* errors every participant raises identically, because every participant checks the same
+  shared facts (a constructor's arguments, a global shape, the fingerprints every rank
+  sees after a metadata exchange): the world stays usable;
+* everything else (a local block that does not match its spec, a local torch op failing, a
+  lost peer): the raising rank posts the error to the world's control plane
+  (:mod:`gpudist.control`) and every other rank raises :class:`RemoteError` naming it at
+  its next wait. The world is then aborted: later gpudist calls raise at once.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +27,11 @@ class ShapeError(GpudistError, ValueError):
 
 
 class HaloError(GpudistError, ValueError):
-    """A kernel/partition configuration needs data from beyond direct neighbours."""
+    """A kernel/partition configuration the halo exchange cannot serve."""
 
 
 class DeviceError(GpudistError, ValueError):
-    """Devices or dtypes disagree between tensors or ranks."""
+    """Devices or dtypes disagree between tensors, ranks or the backend."""
 
 
 class CommTimeout(GpudistError, TimeoutError):
@@ -29,3 +40,40 @@ class CommTimeout(GpudistError, TimeoutError):
 
 class LaunchError(GpudistError):
     """The launch environment is inconsistent or incomplete."""
+
+
+class MismatchError(GpudistError):
+    """Ranks disagree about a collective: a different operator, partition, global shape or
+    dtype at the same point of the program (the message says what differs, on which ranks)."""
+
+
+class RemoteError(GpudistError):
+    """Another rank failed; ``rank``, ``kind`` and ``message`` are its error."""
+
+    def __init__(self, rank: int, kind: str, message: str, where: str = "") -> None:
+        self.rank, self.kind, self.message = rank, kind, message
+        at = f" (this rank was in {where})" if where else ""
+        super().__init__(f"rank {rank} failed with {kind}: {message}{at}")
+
+
+class WorldAborted(GpudistError):
+    """The world was aborted by an earlier failure; no further communication is possible."""
+
+
+def raised_everywhere(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised identically by every participant (the world stays usable)."""
+    exc.gpudist_everywhere = True  # type: ignore[attr-defined]
+    return exc
+
+
+def is_everywhere(exc: BaseException) -> bool:
+    return bool(getattr(exc, "gpudist_everywhere", False)) or isinstance(
+        exc, (RemoteError, WorldAborted))
+
+
+def planning_error(exc: BaseException) -> BaseException:
+    """Mark an error raised while planning from a spec (shared by every rank, so every
+    rank raises it) -- unless it is a communication failure, which is this rank's own."""
+    if not isinstance(exc, (CommTimeout, RemoteError, WorldAborted, KeyboardInterrupt)):
+        raised_everywhere(exc)
+    return exc

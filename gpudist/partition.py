@@ -1,7 +1,9 @@
 """Partitions: ordered subsets of world ranks arranged as Cartesian grids.
 
-A rank is *active* in a partition or not; an inactive rank still holds a Partition object
-(answering ``active == False``) so every rank runs the same program. Construction is
+A rank is *active* in a partition or not: ``index`` is its position in the partition's
+C-ordered grid (-1 when inactive), ``coords`` its grid coordinates, ``ranks`` the members'
+world ranks. An inactive rank still holds a Partition object (``active == False``) so
+every rank runs the same program. Construction is
 collective over the world (every rank constructs the same partitions in the same order),
 deterministic, and creates the partition's communicator group once.
 """
@@ -42,12 +44,21 @@ class Partition:
             )
         me = self.world.rank
         self.active = me in self.ranks
-        self.rank = self.ranks.index(me) if self.active else -1
-        self.coords = self.coords_of(self.rank) if self.active else None
+        self.index = self.ranks.index(me) if self.active else -1
+        self.coords = self.coords_of(self.index) if self.active else None
         self._group: Group | None = None
         if len(self.ranks) > 1:  # world-collective: inactive ranks take part in creation
             g = self.world.transport.group(self.ranks)
             self._group = g if self.active else None
+
+    @classmethod
+    def empty(cls, shape: Sequence[int], world: World | None = None) -> Partition:
+        """A partition of ``shape`` this rank is not part of and that names no ranks: what
+        :meth:`sub` gives a rank outside the partition (no communication)."""
+        p = cls.__new__(cls)
+        p.world, p.ranks, p.shape = require_world(world), (), tuple(int(s) for s in shape)
+        p.active, p.index, p.coords, p._group = False, -1, None, None
+        return p
 
     # -- constructors -------------------------------------------------------
     @classmethod
@@ -91,7 +102,7 @@ class Partition:
             p = Partition(members, shape, self.world)
             if p.active:
                 mine = p
-        return mine if mine is not None else _inactive(shape, self.world)
+        return mine if mine is not None else Partition.empty(shape, self.world)
 
     def transpose(self) -> Partition:
         """Same ranks, grid axes reversed: the worker at coords c goes to reversed(c)."""
@@ -117,11 +128,6 @@ class Partition:
         return len(self.shape)
 
     @property
-    def index(self) -> int:
-        """This rank's position in the partition (-1 when inactive)."""
-        return self.rank
-
-    @property
     def group(self) -> Group | None:
         """The communicator group of all members (None for one worker or when inactive)."""
         return self._group
@@ -144,17 +150,20 @@ class Partition:
             out.append(self.world_rank_of(c2) if 0 <= c2[axis] < self.shape[axis] else None)
         return out[0], out[1]
 
+    @property
+    def key(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(world ranks, shape): what makes two partition objects the same partition."""
+        return self.ranks, self.shape
+
     def same_as(self, other: Partition) -> bool:
-        return self.ranks == other.ranks and self.shape == other.shape
+        return self.key == other.key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Partition) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
     def __repr__(self) -> str:
         state = f"coords={self.coords}" if self.active else "inactive"
         return f"Partition(shape={self.shape}, ranks={self.ranks}, {state})"
-
-
-def _inactive(shape: Sequence[int], world: World) -> Partition:
-    """A partition object this rank is not part of (no communication)."""
-    p = Partition.__new__(Partition)
-    p.world, p.ranks, p.shape = world, (), tuple(shape)
-    p.active, p.rank, p.coords, p._group = False, -1, None, None
-    return p

@@ -13,11 +13,14 @@ import datetime
 import os
 import re
 import socket
+import sys
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .control import Control
 from .errors import GpudistError, LaunchError
 from .transport.base import Transport
 
@@ -105,7 +108,8 @@ def _free_port() -> int:
 
 @dataclass
 class World:
-    """The job: this rank, the world size, the transport, and the default device."""
+    """The job: this rank, the world size, the transport, the control plane, the default
+    device, and how big the per-layer plan caches may grow."""
 
     rank: int
     size: int
@@ -114,10 +118,20 @@ class World:
     backend: str
     transport: Transport
     launch: LaunchEnv
+    control: Control
+    cache_size: int = 8
+    uids: dict = field(default_factory=dict)
 
     @property
     def timeout(self) -> float:
         return self.transport.timeout
+
+    def next_uid(self, key: object) -> int:
+        """Numbers the objects made for ``key`` (e.g. a partition) in creation order: the
+        same numbers on every rank that makes them, e.g. to give each halo exchange its
+        own message tags."""
+        self.uids[key] = self.uids.get(key, 0) + 1
+        return self.uids[key]
 
 
 _WORLD: World | None = None  # the process group; set by init(), cleared by finalize()
@@ -132,6 +146,14 @@ def world() -> World:
 
 def is_initialized() -> bool:
     return _WORLD is not None
+
+
+def reset() -> None:
+    """Forget the world without talking to anyone (a forked child must not use its
+    parent's world; after an abort nothing collective is possible)."""
+    global _WORLD
+    _WORLD = None
+    _uninstall_excepthook()
 
 
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
@@ -199,43 +221,138 @@ def init(
             )
         launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
                            launch.local_rank, None, None)
+        control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
     else:
         from .transport.torch_dist import TorchDistTransport
 
+        td = datetime.timedelta(seconds=timeout)
+        if dist.is_initialized():  # the program joined already: reuse its store
+            launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
+                               launch.local_rank, launch.master_addr, launch.master_port)
+            store = store or _default_store()
+        elif store is None:
+            store = dist.HashStore() if launch.size == 1 else _rendezvous_store(launch, td)
         if not dist.is_initialized():
-            td = datetime.timedelta(seconds=timeout)
-            if store is None and launch.size == 1:
-                store = dist.HashStore()
-            if store is None:
-                addr, port = launch.master_addr, launch.master_port
-                if addr is None and launch.launcher == "mpi" and _mpi_available():
-                    from mpi4py import MPI
-
-                    addr, port = MPI.COMM_WORLD.bcast(
-                        (socket.gethostname(), _free_port()) if launch.rank == 0 else None
-                    )
-                addr, port = addr or "127.0.0.1", port or 29500
-                store = dist.TCPStore(addr, port, launch.size, launch.rank == 0, timeout=td)
             dist.init_process_group(
                 backend, store=store, rank=launch.rank, world_size=launch.size, timeout=td
             )
         transport = TorchDistTransport(timeout=timeout)
-    _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport, launch)
+        control_store = (dist.PrefixStore("gpudist", store)
+                         if launch.size > 1 and store is not None else None)
+    control = Control(control_store, launch.rank, launch.size, timeout)
+    transport.control = control
+    cache = int(os.environ.get("GPUDIST_PLAN_CACHE", "8"))
+    _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
+                   launch, control, max(1, cache))
+    if launch.size > 1:
+        _install_excepthook()
     return _WORLD
 
 
+def _rendezvous_store(launch: LaunchEnv, td: datetime.timedelta):
+    """The TCP store of the launcher: under torchrun the elastic agent's (a client of it,
+    as torch's own ``env://`` does), otherwise one rank 0 serves."""
+    import torch.distributed as dist
+
+    addr, port = launch.master_addr, launch.master_port
+    if addr is None and launch.launcher == "mpi" and _mpi_available():
+        from mpi4py import MPI
+
+        addr, port = MPI.COMM_WORLD.bcast(
+            (socket.gethostname(), _free_port()) if launch.rank == 0 else None
+        )
+    addr, port = addr or "127.0.0.1", port or 29500
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        tcp = dist.TCPStore(addr, port, launch.size, False, timeout=td)
+        return dist.PrefixStore(f"/worker/attempt_{attempt}", tcp)
+    return dist.TCPStore(addr, port, launch.size, launch.rank == 0, timeout=td)
+
+
+def _default_store():
+    """The store of a process group the program initialized itself (None if unknown)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def _mpi_store(transport: Transport, timeout: float):
+    """A TCP store rank 0 serves for the control plane of an MPI world."""
+    import torch.distributed as dist
+
+    comm = transport.comm  # type: ignore[attr-defined]
+    hosts = comm.allgather(socket.gethostname())
+    host = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+    td = datetime.timedelta(seconds=timeout)
+    if transport.rank == 0:
+        st = dist.TCPStore(host, 0, transport.size, True, timeout=td, wait_for_workers=False)
+        comm.bcast(st.port, root=0)
+    else:
+        port = comm.bcast(None, root=0)
+        st = dist.TCPStore(host, port, transport.size, False, timeout=td)
+    return dist.PrefixStore("gpudist", st)
+
+
+# -- failures that nobody catches ------------------------------------------------------
+_PREV_HOOK = None
+EXIT_GRACE_S = 1.0
+
+
+def _excepthook(kind, value, tb) -> None:
+    """Print the error, post it to the world (peers raise RemoteError at once), and under
+    MPI abort the job (a rank left in MPI_Finalize would wait for its peers forever)."""
+    (_PREV_HOOK or sys.__excepthook__)(kind, value, tb)
+    w = _WORLD
+    if w is None:
+        return
+    w.control.abort(value, "an uncaught exception")
+    if w.backend == "mpi":
+        sys.stderr.flush()
+        sys.stdout.flush()
+        time.sleep(EXIT_GRACE_S)  # let the peers print their RemoteError first
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _install_excepthook() -> None:
+    global _PREV_HOOK
+    if sys.excepthook is not _excepthook:
+        _PREV_HOOK = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _uninstall_excepthook() -> None:
+    global _PREV_HOOK
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _PREV_HOOK or sys.__excepthook__
+    _PREV_HOOK = None
+
+
 def finalize() -> None:
-    """Leave the job: drop cached groups and destroy the process group."""
+    """Leave the job: a last barrier (so no rank tears down while a peer still talks to
+    it), then drop cached groups and destroy the process group. After an abort, only the
+    local state is dropped (nothing collective can complete)."""
     global _WORLD
     if _WORLD is None:
         return
     w, _WORLD = _WORLD, None
-    w.transport.finalize()
-    if w.backend != "mpi":
-        import torch.distributed as dist
+    _uninstall_excepthook()
+    if w.control.aborted is not None:
+        return
+    try:
+        if w.size > 1:
+            w.transport.barrier()
+    finally:
+        w.transport.finalize()
+        if w.backend != "mpi":
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def require_world(w: World | None) -> World:

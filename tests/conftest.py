@@ -4,7 +4,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
-from tests.harness import Cluster, mpiexec  # noqa: E402
+from tests.harness import make_cluster, mpiexec  # noqa: E402
 
 
 def _has_mpi() -> bool:
@@ -22,7 +22,7 @@ BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def cluster():
-    c = Cluster()
+    c = make_cluster()
     yield c
     c.close()
 

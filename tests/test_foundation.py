@@ -6,7 +6,7 @@ import torch
 import gpudist
 from gpudist import Decomposition, Partition, ShapeError
 from gpudist.runtime import detect_launch, first_host
-from gpudist.transport.base import P2P, wait_all
+from gpudist.transport.base import P2P
 
 # ---------------------------------------------------------------- launch (no ranks needed)
 
@@ -82,7 +82,7 @@ def test_decomposition_rank_mismatch():
 def _partition_facts(shape):
     w = gpudist.world()
     P = Partition.grid(shape)
-    out = {"active": P.active, "coords": P.coords, "rank": P.rank}
+    out = {"active": P.active, "coords": P.coords, "rank": P.index}
     S = P.sub([P.dim - 1])  # collective: every rank takes part
     T = P.transpose()
     if P.active:
@@ -140,36 +140,36 @@ def _transport_roundtrip(dtype):
     g = t.group(range(n))
     # broadcast
     x = torch.full((5, 3), float(r + 1), dtype=dtype)
-    t.broadcast(x, n - 1, g).wait()
+    t.wait([t.broadcast(x, n - 1, g)])
     ok = [bool((x == n).all())]
     # reduce / all_reduce
     y = torch.full((4,), float(r + 1), dtype=dtype)
-    t.reduce(y, 0, g).wait()
+    t.wait([t.reduce(y, 0, g)])
     if r == 0:
         ok.append(bool((y == n * (n + 1) / 2).all()))
     z = torch.full((7,), float(r), dtype=dtype)
-    t.all_reduce(z, g).wait()
+    t.wait([t.all_reduce(z, g)])
     ok.append(bool((z == n * (n - 1) / 2).all()))
     # all_gather
     out = torch.empty(n * 2, dtype=dtype)
-    t.all_gather(out, torch.full((2,), float(r), dtype=dtype), g).wait()
+    t.wait([t.all_gather(out, torch.full((2,), float(r), dtype=dtype), g)])
     ok.append(out.tolist() == [float(i) for i in range(n) for _ in range(2)])
     # uneven all-to-all: rank r sends (j+1) copies of r to rank j
     ins = torch.cat([torch.full((j + 1,), float(r), dtype=dtype) for j in range(n)])
     outs = torch.empty(n * (r + 1), dtype=dtype)
-    t.all_to_all(outs, ins, [r + 1] * n, [j + 1 for j in range(n)], g).wait()
+    t.wait([t.all_to_all(outs, ins, [r + 1] * n, [j + 1 for j in range(n)], g)])
     ok.append(outs.tolist() == [float(i) for i in range(n) for _ in range(r + 1)])
     # ring send/recv (batched, any order)
     send = torch.arange(6, dtype=dtype) + r
     recv = torch.empty(6, dtype=dtype)
-    wait_all(t.batch_p2p([P2P("send", send, (r + 1) % n), P2P("recv", recv, (r - 1) % n)]))
+    t.wait(t.batch_p2p([P2P("send", send, (r + 1) % n), P2P("recv", recv, (r - 1) % n)]))
     ok.append(bool((recv == torch.arange(6, dtype=dtype) + (r - 1) % n).all()))
     # a sub-group of the even ranks
     evens = list(range(0, n, 2))
     ge = t.group(evens)  # world-collective creation
     if r in evens and len(evens) > 1:
         e = torch.ones(3, dtype=dtype)
-        t.all_reduce(e, ge).wait()
+        t.wait([t.all_reduce(e, ge)])
         ok.append(bool((e == len(evens)).all()))
     t.barrier()
     return ok
@@ -184,15 +184,15 @@ def test_transport_ops(cluster, backend, n, dtype):
 
 def _missing_peer():
     w = gpudist.world()
-    old = w.transport.timeout
-    w.transport.timeout = 1.0
+    old = w.control.timeout
+    w.control.timeout = 1.0
     try:
         if w.rank == 0:
-            buf = torch.empty(3)
-            w.transport.recv(buf, 1, tag=999)  # rank 1 never sends on tag 999
+            buf = torch.empty(3)  # rank 1 never sends on tag 999
+            w.transport.wait(w.transport.batch_p2p([P2P("recv", buf, 1, 999)]))
         return "no error"
     finally:
-        w.transport.timeout = old
+        w.control.timeout = old
 
 
 def test_missing_peer_times_out(cluster, backend):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import gpudist
-from gpudist import Decomposition, HaloError, Partition, block_range
+from gpudist import Decomposition, DistTensor, HaloError, Partition, TensorSpec, block_range
 from gpudist.halo import HaloExchange, HaloGeometry, normalize_params
 from gpudist.testing import adjoint_mismatch
 
@@ -55,13 +55,14 @@ def _run_case(case, packer=None):
     x = _block(X, P)
     H = HaloExchange(P, *params, packer=packer)
     y = H(x)
+    spec = TensorSpec(P, gshape, x.dtype)
     facts = {"active": P.active}
     if P.active:
         rng = _expected_ranges(gshape, pshape, P.coords, params)
         ref = X[tuple(slice(a, b) for a, b, *_ in rng)]
         facts["forward_equal"] = tuple(y.shape) == tuple(ref.shape) and torch.equal(y, ref)
         facts["changed"] = tuple(y.shape) != tuple(x.shape)  # halos added or extra trimmed
-        facts["pads"] = H.last_plan.pads == tuple((pl, pr) for _, _, pl, pr, _ in rng)
+        facts["pads"] = H.local_plan(spec).pads == tuple((pl, pr) for _, _, pl, pr, _ in rng)
         if conv:  # the local op with padding 0 on the padded result == sequential op's slice
             k, s, p, d = normalize_params(len(gshape), *params)
             g = torch.Generator().manual_seed(5)
@@ -159,10 +160,10 @@ def test_float32_gradient_counts_copies(cluster, backend):
 
 def _beyond_neighbour(fixed):
     P = Partition.grid((1, 1, 4))
-    if fixed:
-        HaloExchange(P, 5, global_shape=(1, 1, 6))
-        return "constructed"
     x = _block(_global((1, 1, 6), 0), P)
+    if fixed:  # the global shape travels with the tensor: inactive ranks plan (and raise)
+        HaloExchange(P, 5)(DistTensor.from_local(x, P, (1, 1, 6)))
+        return "planned"
     HaloExchange(P, 5)(x)
     return "ran"
 
@@ -177,7 +178,7 @@ def test_non_neighbour_halo_raises_on_every_rank(cluster, backend, fixed):
 
 def _bad_blocks():
     P = Partition.grid((2,))
-    x = torch.zeros(5 if P.rank == 0 else 3)  # 5 + 3 is not a block split of 8
+    x = torch.zeros(5 if P.index == 0 else 3)  # 5 + 3 is not a block split of 8
     HaloExchange(P, 3, padding=1)(x)
 
 
@@ -193,13 +194,14 @@ def _reuse():
     x = _block(X, P).requires_grad_(True)
     H = HaloExchange(P, (3, 3), padding=1)
     H(x).sum().backward()
-    plan = H.last_plan
+    spec = TensorSpec(P, X.shape, X.dtype)
+    plan = H.local_plan(spec)
     first = plan.buffer_ptrs()
     for _ in range(3):
         H(x).square().sum().backward()
-    assert H.last_plan is plan  # cached per local shape: no new all-gather, same plan
+    assert H.local_plan(spec) is plan  # cached per local shape: no new all-gather, same plan
     # the in-place form on a caller-held working buffer gives the same result
-    W = plan.allocate(x)
+    W = torch.empty(plan.work_shape, dtype=x.dtype)
     plan.bulk(W).copy_(x.detach())
     returned_w = plan.exchange_(W) is W
     same = returned_w and torch.equal(plan.result(W), H(x).detach())
@@ -218,14 +220,15 @@ def _single_rank_facts():
     P = Partition.grid((1, 1, 1))
     x = torch.arange(2 * 3 * 9, dtype=torch.float64).view(2, 3, 9)
     y = HaloExchange(P)(x)
-    facts = [torch.equal(y, x) and y.data_ptr() != x.data_ptr()]
+    facts = [torch.equal(y, x) and y.data_ptr() == x.data_ptr()]  # no copy where none needed
     geo = (HaloGeometry(2, 1), HaloGeometry(3, 1), HaloGeometry(9, 1, 2, 2))
     H = HaloExchange(P, geometry=geo)
     facts.append(torch.equal(H(x), x[..., :8]))  # k=2, s=2 on 9 entries: last one trimmed
     for make, err, text in [
         (lambda: HaloExchange(Partition.grid((1, 1)))(x), gpudist.ShapeError,
          "3 dimensions but the partition has 2"),
-        (lambda: HaloExchange(P, 11, global_shape=(2, 3, 9)), HaloError, "kernel extent"),
+        (lambda: HaloExchange(P, 11)(DistTensor.from_local(x, P, (2, 3, 9))), HaloError,
+         "kernel extent"),
     ]:
         try:
             make()

@@ -162,7 +162,9 @@ def _check(n, P, k, s, d, pl, pr, seed):
         # the local op with padding 0 on [pad | needed | pad] equals the global op's slice
         loc = F.pad(x[..., wk.needed[0]:wk.needed[1]], (wk.pad_left, wk.pad_right))
         y = F.conv1d(loc, w, stride=s, dilation=d)
-        assert torch.equal(y, ref[..., outs[i][0]:outs[i][1]]), (n, P, k, s, d, pl, pr, i)
+        # (equal up to round-off: torch may sum the taps in another order on a shorter input)
+        assert torch.allclose(y, ref[..., outs[i][0]:outs[i][1]], rtol=1e-13, atol=1e-13), \
+            (n, P, k, s, d, pl, pr, i)
     for i in range(P - 1):
         assert geo.worker(i).send_right[1] - geo.worker(i).send_right[0] == \
             geo.worker(i + 1).left_halo

@@ -6,7 +6,8 @@ import torch
 
 from gpudist import Partition
 from gpudist.halo import HaloExchange
-from gpudist.memory import (
+from gpudist.primitives import Broadcast
+from gpudist.testing.memory import (
     Add,
     Allocate,
     Clear,
@@ -17,7 +18,6 @@ from gpudist.memory import (
     move,
     random_memory,
 )
-from gpudist.primitives import Broadcast
 from tests.util import block_of, global_tensor
 
 

@@ -11,12 +11,12 @@ import torch
 import gpudist.nn as gnn
 from gpudist import Partition
 from gpudist.decomposition import Decomposition
-from gpudist.nn.pooling import output_length
-from gpudist.primitives import Repartition, zero_volume
+from gpudist.nn.pooling import pool_output_length
+from gpudist.primitives import zero_volume
 from gpudist.runtime import require_world
 from gpudist.testing import adjoint_mismatch
 from tests.conftest import HAS_MPI
-from tests.util import block_of, global_tensor
+from tests.util import block_of, gather, global_tensor
 
 TOL = 1e-10
 WORLD = 4
@@ -38,7 +38,7 @@ def _shapes_agree(ok: bool) -> bool:
     w = require_world(None)
     t = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
     if w.size > 1:
-        w.transport.all_reduce(t, w.transport.group(range(w.size))).wait(w.timeout)
+        w.transport.wait([w.transport.all_reduce(t, w.transport.group(range(w.size)))])
     return float(t) == 0.0
 
 
@@ -60,9 +60,9 @@ def _equivalence(kind, nd, pshape, ranks, gshape, opts):
     y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
     Y.backward(dY)
     root = Partition([P.ranks[0]], (1,) * P.dim)
-    yg = Repartition(P, root, tuple(Y.shape))(y.detach())
+    yg = gather(y.detach(), P, Y.shape, root)[0]
     dx = x.grad if x.grad is not None else torch.zeros_like(x)
-    dxg = Repartition(P, root, tuple(G.shape))(dx)
+    dxg = gather(dx, P, G.shape, root)[0]
     out = {"inactive_numel": 0 if P.active else y.numel() + dx.numel()}
     if root.active:
         out["y"] = _maxerr(yg, Y.detach())
@@ -135,8 +135,8 @@ def test_cases_exercise_ceil_mode():
         per = [tuple(v) if isinstance(v, tuple) else (v,) * nd for v in (k, s, p, d)]
         adds = rule = False
         for L, (ka, sa, pa, da) in zip(gshape[2:], zip(*per)):
-            m_floor = output_length(L, ka, sa, pa, da, False)
-            adds |= output_length(L, ka, sa, pa, da, True) > m_floor
+            m_floor = pool_output_length(L, ka, sa, pa, da, False)
+            adds |= pool_output_length(L, ka, sa, pa, da, True) > m_floor
             m = (L + 2 * pa - da * (ka - 1) - 1 + sa - 1) // sa + 1
             rule |= (m - 1) * sa >= L + pa
         assert adds or rule, (kind, gshape, opts)

@@ -27,7 +27,7 @@ def _src_block(P, seed, dtype):
     """A block that depends on the source coordinates."""
     if not P.active:
         return zero_volume(len(BLOCK), like=torch.empty(0, dtype=dtype))
-    return global_tensor(BLOCK, seed=seed + 100 * P.rank, dtype=dtype)
+    return global_tensor(BLOCK, seed=seed + 100 * P.index, dtype=dtype)
 
 
 # (world size, src shape, src ranks, dst shape, dst ranks, transpose_src)

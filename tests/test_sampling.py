@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import gpudist.nn as gnn
-from gpudist import HaloError, Partition
+from gpudist import HaloError, Partition, TensorSpec
 from gpudist.decomposition import Decomposition
 from gpudist.halo import HaloGeometry
 from gpudist.nn.sampling import source_taps, uses_legacy_nearest
-from gpudist.primitives import Repartition, zero_volume
+from gpudist.primitives import zero_volume
 from gpudist.testing import adjoint_mismatch
 from tests.conftest import HAS_MPI
 from tests.test_pooling import _maxerr, _shapes_agree
-from tests.util import block_of, global_tensor
+from tests.util import block_of, gather, global_tensor
 
 TOL = 1e-10
 WORLD = 4
@@ -61,9 +61,9 @@ def _equivalence(pshape, ranks, gshape, opts, layer=None):
     dY = global_tensor(Yshape, seed=2)
     y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
     root = Partition([P.ranks[0]], (1,) * P.dim)
-    yg = Repartition(P, root, tuple(Yshape))(y.detach())
+    yg = gather(y.detach(), P, Yshape, root)[0]
     dx = x.grad if x.grad is not None else torch.zeros_like(x)
-    dxg = Repartition(P, root, tuple(G.shape))(dx)
+    dxg = gather(dx, P, G.shape, root)[0]
     out = {"inactive_numel": 0 if P.active else y.numel() + dx.numel()}
     if root.active:
         Y, dx_ref, torch_agrees = _reference(G, dY, opts)
@@ -316,7 +316,7 @@ def _float32_cases():
         y = gnn.DistributedUpsample(P, **opts)(block_of(G, P))
         Y = torch.nn.Upsample(**opts)(G)
         root = Partition([0], (1,) * P.dim)
-        yg = Repartition(P, root, tuple(Y.shape))(y)
+        yg = gather(y, P, Y.shape, root)[0]
         if root.active:
             out.append((yg.dtype == torch.float32, _maxerr(yg, Y)))
     return out
@@ -357,7 +357,7 @@ def _fast_and_slow_paths():
                        ("slow", _up("bilinear", False, scale_factor=1.7))):
         layer = gnn.DistributedUpsample(P, **opts)
         g = (2, 3, 13, 15)
-        out[f"{name}_used"] = layer.plan(g, torch.float64).fast is not None
+        out[f"{name}_used"] = layer.plan(TensorSpec(P, g, torch.float64)).fast is not None
         errs = _equivalence((1, 1, 2, 2), [0, 1, 2, 3], g, opts, layer=layer)
         out.update({f"{name}_{k}": v for k, v in errs.items() if k in ("y", "dx")})
     return out

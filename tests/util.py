@@ -17,3 +17,18 @@ def block_of(G: torch.Tensor, P: Partition) -> torch.Tensor:
         return zero_volume(G.dim(), like=G)
     sl = Decomposition(tuple(G.shape), P.shape).global_slices(P.coords)
     return G[sl].clone()
+
+
+def gather(t: torch.Tensor, P: Partition, gshape, root: Partition | None = None):
+    """The global tensor whose block ``t`` is (this rank's block over ``P``) on the root
+    worker (P's first), zero-volume elsewhere; returns (tensor, root partition)."""
+    from gpudist import DistTensor
+    from gpudist.primitives import Repartition
+
+    root = root or Partition([P.ranks[0]], (1,) * P.dim)
+    x = DistTensor.from_local(t.detach(), P, tuple(gshape))
+    return Repartition(P, root)(x).local, root
+
+
+def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0

@@ -3,7 +3,18 @@
 from ..primitives import Repartition
 from .conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, DistributedConvNd
 from .linear import DistributedLinear
-from .loss import DistributedLoss
+from .loss import (
+    LOSSES,
+    DistributedBCELoss,
+    DistributedBCEWithLogitsLoss,
+    DistributedCrossEntropyLoss,
+    DistributedKLDivLoss,
+    DistributedL1Loss,
+    DistributedLoss,
+    DistributedMSELoss,
+    DistributedNLLLoss,
+    DistributedPoissonNLLLoss,
+)
 from .norm import DistributedBatchNorm
 from .pooling import (
     DistributedAvgPool1d,
@@ -21,6 +32,9 @@ from .sampling import (
 )
 
 __all__ = [
+    "LOSSES", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
+    "DistributedCrossEntropyLoss", "DistributedKLDivLoss", "DistributedL1Loss",
+    "DistributedMSELoss", "DistributedNLLLoss", "DistributedPoissonNLLLoss",
     "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d",
     "DistributedBatchNorm", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d",
     "DistributedConvNd", "DistributedInterpolate", "DistributedLinear", "DistributedLoss",

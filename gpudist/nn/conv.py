@@ -4,47 +4,57 @@ Partitions (D spatial dims): ``P_x`` = (P_b, P_ci, P_0..), ``P_y`` = (P_b, P_co,
 the work partition ``P_w`` = (P_b, P_co, P_ci, P_0..). The weight block (co_i, ci_j) lives on
 the worker of ``P_w`` at (0, i, j, 0..); the bias block co_i on (0, i, 0, 0..).
 
-Forward:  x <- H x (halo exchange on P_x, global zero padding);
-          x^ <- B[P_x -> P_w] x;  w^ <- B[P_r -> P_w] w;  b^ <- B[P_rb -> P_w(ci=0)] b;
-          y^ = conv(x^, w^, b^) locally with padding 0;  y <- R[P_w -> P_y] y^.
-Adjoint (by autograd): B[P_y -> P_w] dy; local conv adjoints; R of dx^ to P_x, of dw^/db^ to
-where the weights live; H* adds the halo gradients back into the neighbours' bulk.
+Forward:  x^ <- B[P_x -> P_w] x   (copies of x for every output-channel block)
+          x^ <- H x^              (halo exchange within each output-channel slice of P_w)
+          w^ <- B[P_r -> P_w] w;  b^ <- B[P_rb -> P_w(ci=0)] b
+          y^ = conv(x^, w^, b^)   (locally; the symmetric global padding is conv's own)
+          y  <- R[P_w -> P_y] y^  (sum of the partial sums over input-channel blocks)
+Adjoint (by autograd): B* = R of dy back to P_w; the local conv's adjoints; H* adds halo
+gradients into the neighbours' bulk; R of dx^ over the output-channel blocks into P_x, of
+dw^/db^ into where the weights live (over batch blocks too: data parallelism).
 
-The constructor picks the simplest case the partitions allow: spatial-only (``P_w`` not
-given: weights on P_x's first worker, no x broadcast, no y reduce), channel-only and the
-general form are the same algorithm with the identity steps skipped. Batch partitions (data
-parallelism) sum the weight gradients over the batch axis through the adjoint broadcast.
+The spatial-only form (``P_w`` not given: weights on P_x's first worker) is the same
+algorithm, its broadcast of x and sum of y being identities that are skipped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..decomposition import Decomposition
-from ..errors import PartitionError, ShapeError
+from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..halo import HaloExchange
 from ..partition import Partition
-from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
-from ._halo import exchange_for_op, op_halo
+from ..primitives import Broadcast, Plan, SumReduce
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from ._layer import DistributedModule, ShardedParameters, per_dim
 from ._params import block, connect, parameter
 
 _CONV = {1: (F.conv1d, torch.nn.Conv1d), 2: (F.conv2d, torch.nn.Conv2d),
          3: (F.conv3d, torch.nn.Conv3d)}
+R, P_ = REPLICATE, PARTIAL
 
 
-def _tuple(v, n: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in v) if isinstance(v, Sequence) else (int(v),) * n
+@dataclass
+class _ConvPlan:
+    """One input spec: the specs along the way and the inner primitives' plans."""
+
+    out: TensorSpec
+    x_bcast: Plan
+    halo: Plan
+    w_bcast: Plan
+    b_bcast: Plan | None
+    y_reduce: Plan
+    x_slice: TensorSpec
+    pads: tuple[int, ...]
+    empty_out: bool
 
 
-def _same(a: Partition, b: Partition) -> bool:
-    return a.ranks == b.ranks and a.shape == b.shape
-
-
-class DistributedConvNd(torch.nn.Module):
+class DistributedConvNd(ShardedParameters, DistributedModule):
     """N-D convolution of a tensor partitioned over ``P_x`` (see the module docstring).
 
     ``P_w`` omitted: spatial (and batch) partition only, ``P_x`` = (P_b, 1, P_0..), output on
@@ -69,29 +79,35 @@ class DistributedConvNd(torch.nn.Module):
         super().__init__()
         n, name = self.spatial, type(self).__name__
         if padding_mode != "zeros":
-            raise ValueError(f"{name}: padding_mode={padding_mode!r} is not supported "
-                             f"(only 'zeros': the halo exchange pads the global boundary "
-                             f"with zeros)")
+            raise raised_everywhere(ValueError(
+                f"{name}: padding_mode={padding_mode!r} is not supported (only 'zeros': the "
+                f"halo exchange pads the global boundary with zeros)"))
         if P_x.dim != n + 2:
-            raise PartitionError(f"{name}: the input partition must have {n + 2} dimensions "
-                                 f"(N, C, spatial...), got {P_x.shape}")
-        self.k, self.s, self.d = _tuple(kernel_size, n), _tuple(stride, n), _tuple(dilation, n)
+            raise raised_everywhere(PartitionError(
+                f"{name}: the input partition must have {n + 2} dimensions (N, C, "
+                f"spatial...), got {P_x.shape}"))
+        self.k = per_dim("kernel_size", name, kernel_size, n)
+        self.s = per_dim("stride", name, stride, n)
+        self.d = per_dim("dilation", name, dilation, n)
         self.pads = self._padding(padding, name)
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.P_x, self.P_w, self.P_y = self._partitions(P_x, P_w, P_y, name)
         pb, pco, pci, sp = self.P_w.shape[0], self.P_w.shape[1], self.P_w.shape[2], \
             self.P_w.shape[3:]
         if groups != 1 and (pco > 1 or pci > 1):
-            raise PartitionError(f"{name}: groups={groups} needs unpartitioned channels "
-                                 f"(P_w {self.P_w.shape} splits them)")
+            raise raised_everywhere(PartitionError(
+                f"{name}: groups={groups} needs unpartitioned channels (P_w {self.P_w.shape} "
+                f"splits them)"))
         for what, c, p in (("in_channels", in_channels, pci), ("out_channels", out_channels, pco)):
             if c < p:
-                raise PartitionError(f"{name}: {what}={c} cannot be split over {p} workers")
+                raise raised_everywhere(PartitionError(
+                    f"{name}: {what}={c} cannot be split over {p} workers"))
         world = P_x.world
+        self.setup(P_x, set(self.P_x.ranks) | set(self.P_w.ranks) | set(self.P_y.ranks))
         dev = device if device is not None else world.device
         seq = _CONV[n][1](in_channels, out_channels, self.k, self.s, 0, self.d, groups=groups,
                           bias=bias, dtype=dtype, device=dev)
-        wshape = tuple(seq.weight.shape)
+        self.wshape = tuple(seq.weight.shape)
         # where the parameters live: P_r (co x ci grid) for w, P_rb (co) for b
         at = self.P_w.world_rank_of
         self.P_r = Partition([at((0, i, j) + (0,) * n) for i in range(pco) for j in range(pci)],
@@ -100,40 +116,23 @@ class DistributedConvNd(torch.nn.Module):
         self.root = Partition([self.P_r.ranks[0]], (1,) * (n + 2), world)
         self.weight = parameter(block(seq.weight, self.P_r), seq.weight, n + 2)
         self.bias = parameter(block(seq.bias, self.P_rb), seq.weight, 1) if bias else None
-
-        # receiving shapes are static: skip the per-call metadata exchange
-        me = self.P_w.coords
-        w_dec = Decomposition(wshape, self.P_r.shape)
-        w_recv = w_dec.local_shape((me[1], me[2]) + (0,) * n) if me else wshape
-        self._w_bcast = BroadcastOp(self.P_r.reshape((1, pco, pci) + (1,) * n), self.P_w,
-                                    shape=w_recv)
-        self._b_bcast = None
-        self._bias_here = False
+        self.homes = {"weight": (self.P_r, self.wshape)}
         if bias:
-            P_wb = _ci0(self.P_w)  # the bias is added once: on the ci = 0 workers only
-            self._bias_here = P_wb.active
-            b_recv = (Decomposition((out_channels,), (pco,)).local_shape((me[1],)) if me
-                      else (out_channels,))
-            self._b_bcast = BroadcastOp(self.P_rb.reshape((1, pco, 1) + (1,) * n), P_wb,
-                                        shape=b_recv)
-        # x: P_x viewed with a co axis of 1; y: P_y viewed with a ci axis of 1
-        Px_view = self.P_x.reshape((pb, 1, pci) + sp)
-        Py_view = self.P_y.reshape((pb, pco, 1) + sp)
-        self._x_bcast = None if _same(Px_view, self.P_w) else BroadcastOp(Px_view, self.P_w)
-        self._y_reduce = None if _same(Py_view, self.P_w) else SumReduceOp(self.P_w, Py_view)
-        # spatial form: the halo buffer holds the asymmetric part of the zero padding, the
-        # local conv adds the symmetric part (no copy where a worker has nothing to exchange).
-        # General form: the P_w workers outside P_x have no halo plan: the halo pads it all.
-        if self._x_bcast is None:
-            self.halo = op_halo(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
-                                ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d, 0.0)
-        else:
-            self.halo = HaloExchange(self.P_x, (1, 1) + self.k, (1, 1) + self.s,
-                                     ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
-                                     pad_value=0.0)
-        self._collect_w = RepartitionOp(self.P_r, self.root, wshape)
-        self._collect_b = (RepartitionOp(self.P_rb, Partition(self.root.ranks, (1,), world),
-                                         (out_channels,)) if bias else None)
+            self.homes["bias"] = (self.P_rb, (out_channels,))
+        # the data path (every primitive made once, collectively; identities are skipped)
+        self.Px_view = self.P_x.reshape((pb, 1, pci) + sp)
+        self.Py_view = self.P_y.reshape((pb, pco, 1) + sp)
+        self.P_slice = self._slice(self.P_w)  # my output-channel slice of P_w, as x's shape
+        self.x_bcast = Broadcast(self.Px_view, self.P_w)
+        self.halo = HaloExchange(self.P_slice, (1, 1) + self.k, (1, 1) + self.s,
+                                 ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
+                                 pad_value=0.0, op_padding=True)
+        self.P_r5 = self.P_r.reshape((1, pco, pci) + (1,) * n)
+        self.w_bcast = Broadcast(self.P_r5, self.P_w)
+        self.P_wb = _ci0(self.P_w)  # the bias is added once: on the ci = 0 workers only
+        self.P_rb5 = self.P_rb.reshape((1, pco, 1) + (1,) * n)
+        self.b_bcast = Broadcast(self.P_rb5, self.P_wb) if bias else None
+        self.y_reduce = SumReduce(self.P_w, self.Py_view)
 
     # -- construction helpers -------------------------------------------------
     def _padding(self, padding, name: str) -> tuple[tuple[int, int], ...]:
@@ -142,107 +141,103 @@ class DistributedConvNd(torch.nn.Module):
             return ((0, 0),) * n
         if padding == "same":
             if any(s != 1 for s in self.s):
-                raise ValueError(f"{name}: padding='same' needs stride 1, got {self.s}")
+                raise raised_everywhere(ValueError(
+                    f"{name}: padding='same' needs stride 1, got {self.s}"))
             tot = [d * (k - 1) for k, d in zip(self.k, self.d)]
             return tuple((t // 2, t - t // 2) for t in tot)  # torch puts the odd one right
         if isinstance(padding, str):
-            raise ValueError(f"{name}: padding={padding!r} (use an int, a tuple, 'valid' or "
-                             f"'same')")
-        return tuple((p, p) for p in _tuple(padding, n))
+            raise raised_everywhere(ValueError(
+                f"{name}: padding={padding!r} (use an int, a tuple, 'valid' or 'same')"))
+        return tuple((p, p) for p in per_dim("padding", name, padding, n))
 
     def _partitions(self, P_x: Partition, P_w: Partition | None, P_y: Partition | None,
                     name: str) -> tuple[Partition, Partition, Partition]:
         n = self.spatial
         if P_w is None:
             if P_x.shape[1] != 1:
-                raise PartitionError(
+                raise raised_everywhere(PartitionError(
                     f"{name}: P_x {P_x.shape} splits the channels; pass the work partition "
-                    f"P_w (P_b, P_co, P_ci, spatial...) and the output partition P_y")
+                    f"P_w (P_b, P_co, P_ci, spatial...) and the output partition P_y"))
             P_w = P_x.reshape((P_x.shape[0], 1, 1) + P_x.shape[2:])
             if P_y is None:
                 P_y = P_x
         if P_w.dim != n + 3:
-            raise PartitionError(f"{name}: P_w must have {n + 3} dimensions (P_b, P_co, P_ci, "
-                                 f"spatial...), got {P_w.shape}")
+            raise raised_everywhere(PartitionError(
+                f"{name}: P_w must have {n + 3} dimensions (P_b, P_co, P_ci, spatial...), "
+                f"got {P_w.shape}"))
         pb, pco, pci, sp = P_w.shape[0], P_w.shape[1], P_w.shape[2], P_w.shape[3:]
         if P_y is None:  # default: the ci = 0 workers of P_w
             P_y = _ci0(P_w).reshape((pb, pco) + sp)
         want_x, want_y = (pb, pci) + sp, (pb, pco) + sp
         if P_x.shape != want_x:
-            raise PartitionError(f"{name}: P_w {P_w.shape} needs P_x of shape {want_x}, got "
-                                 f"{P_x.shape}")
+            raise raised_everywhere(PartitionError(
+                f"{name}: P_w {P_w.shape} needs P_x of shape {want_x}, got {P_x.shape}"))
         if P_y.dim != n + 2 or P_y.shape != want_y:
-            raise PartitionError(f"{name}: P_w {P_w.shape} needs P_y of shape {want_y}, got "
-                                 f"{P_y.shape}")
+            raise raised_everywhere(PartitionError(
+                f"{name}: P_w {P_w.shape} needs P_y of shape {want_y}, got {P_y.shape}"))
         return P_x, P_w, P_y
 
-    # -- forward ----------------------------------------------------------------
-    def _check(self, x: torch.Tensor) -> None:
-        """Local blocks must tile a global (N, in_channels, ...) tensor: checked from the
-        global shape (collective over P_x, once per local shape), so every worker of P_x
-        raises the same error."""
-        if not self.P_x.active:
-            return
-        n, name = self.spatial, type(self).__name__
-        if x.dim() != n + 2:
-            raise ShapeError(f"{name}: expected (N, C, ...) blocks with {n} spatial dims, got "
-                             f"{tuple(x.shape)}")
-        g = self.halo.global_shape_of(x)
+    def _slice(self, P_w: Partition) -> Partition:
+        """This rank's output-channel slice of P_w, shaped like P_x (collective)."""
+        sub = P_w.sub([0, 2] + list(range(3, P_w.dim)))
+        shape = (P_w.shape[0], P_w.shape[2]) + P_w.shape[3:]
+        if not sub.active:
+            return Partition.empty(shape, P_w.world)
+        return sub.reshape(shape)
+
+    # -- plans ------------------------------------------------------------------
+    def make_plan(self, spec: TensorSpec) -> _ConvPlan:
+        name, n = self.name, self.spatial
+        if not spec.standard or spec.ndim != n + 2:
+            raise raised_everywhere(ShapeError(
+                f"{name}: expected an (N, C, {'spatial, ' * n}) tensor split the standard way,"
+                f" got {spec.describe()}"))
+        g = spec.global_shape
         if g[1] != self.in_channels:
-            raise ShapeError(f"{name}: the blocks over P_x {self.P_x.shape} form a global "
-                             f"tensor {g} with {g[1]} channels, expected {self.in_channels}")
+            raise raised_everywhere(ShapeError(
+                f"{name}: the blocks over P_x {self.P_x.shape} form a global tensor {g} with "
+                f"{g[1]} channels, expected {self.in_channels}"))
+        dt, dev = spec.dtype, spec.device_type
+        # raises HaloError on every rank, participant or not
+        geo = self.halo.geometry_of(TensorSpec(self.P_slice, g, dt, dev))
+        m = tuple(x.output_size for x in geo[2:])
+        x5 = TensorSpec(self.Px_view, (g[0], 1) + g[1:], dt, dev)
+        x_plan = self.x_bcast.plan(x5)
+        x_slice = TensorSpec(self.P_slice, g, dt, dev) if self.P_slice.active else None
+        h_plan = self.halo.plan(x_slice) if x_slice is not None else None
+        wspec = TensorSpec(self.P_r5, self.wshape, dt, dev,
+                           (R, 0, 1) + (R,) * n)
+        b_plan = None
+        if self.bias is not None:
+            b_plan = self.b_bcast.plan(TensorSpec(self.P_rb5, (self.out_channels,), dt, dev,
+                                                  (R, 0) + (R,) * (n + 1)))
+        y = (g[0], self.out_channels) + m
+        yspec = TensorSpec(self.P_w, y, dt, dev, (0, 1, P_) + tuple(range(2, n + 2)))
+        out = TensorSpec(self.P_y, y, dt, dev)
+        pads = tuple(lo for lo, _ in h_plan.local.pads[2:]) if h_plan is not None else (0,) * n
+        empty = self.P_w.active and 0 in yspec.local_shape
+        return _ConvPlan(out, x_plan, h_plan, self.w_bcast.plan(wspec), b_plan,
+                         self.y_reduce.plan(yspec), x_slice, pads, empty)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        try:
-            self._check(x)
-        except ShapeError:
-            if self._x_bcast is not None:  # the P_w ranks outside P_x raise too, not wait
-                self._x_bcast.abort(x.new_zeros(0))
-            raise
-        if self.halo.op_padding:
-            xh, conv_pad = exchange_for_op(self.halo, x, self.spatial)
-        else:
-            xh, conv_pad = self.halo(x), 0
-        if self._x_bcast is not None:
-            xh = self._x_bcast(xh)
-        w = self._w_bcast(self.weight)
-        b = self._b_bcast(self.bias) if self._b_bcast is not None else None
+    # -- forward ----------------------------------------------------------------
+    def run(self, x: torch.Tensor, plan: _ConvPlan) -> torch.Tensor:
+        x5 = self.x_bcast.apply(x.unsqueeze(1), plan.x_bcast)
+        w = self.w_bcast.apply(self.weight, plan.w_bcast)
+        b = self.b_bcast.apply(self.bias, plan.b_bcast) if self.b_bcast is not None else None
         if self.P_w.active:
-            y = _CONV[self.spatial][0](xh, w, b if self._bias_here else None, self.s,
-                                       conv_pad, self.d, self.groups)
-            if b is not None and not self._bias_here:
-                y = connect(y, b)
+            xs = x5.squeeze(1)
+            xh = self.halo.apply(xs, plan.halo)
+            bias_here = self.P_wb.active
+            if plan.empty_out:  # this worker has no outputs: keep the graph, skip the op
+                y = connect(xh.new_zeros(plan.y_reduce.spec.local_shape), xh, w, b)
+            else:
+                y = _CONV[self.spatial][0](xh, w, b if bias_here else None, self.s,
+                                           plan.pads, self.d, self.groups)
+                if b is not None and not bias_here:
+                    y = connect(y, b)
         else:
-            y = connect(xh, w, b)  # zero-volume; keeps every adjoint in the graph
-        if self._y_reduce is not None:
-            y = self._y_reduce(y)
-        return y
-
-    # -- global state -------------------------------------------------------------
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Keep this rank's blocks of a sequential layer's state dict (every rank passes it)."""
-        with torch.no_grad():
-            self.weight.data = block(sd["weight"], self.P_r).to(self.weight)
-            if self.bias is not None:
-                self.bias.data = block(sd["bias"], self.P_rb).to(self.weight)
-
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: full weight/bias on the root worker, ``{}`` elsewhere."""
-        return self._collect(self.weight.detach(),
-                             self.bias.detach() if self.bias is not None else None)
-
-    def global_grads(self) -> dict[str, torch.Tensor]:
-        """Collective: full weight/bias gradients on the root worker, ``{}`` elsewhere."""
-        def g(p):
-            return p.grad if p.grad is not None else torch.zeros_like(p)
-        return self._collect(g(self.weight), g(self.bias) if self.bias is not None else None)
-
-    def _collect(self, w: torch.Tensor, b: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        w = self._collect_w(w)
-        b = self._collect_b(b) if self._collect_b is not None else None
-        if not self.root.active:
-            return {}
-        return {"weight": w, **({"bias": b} if b is not None else {})}
+            y = connect(x5.new_zeros(plan.y_reduce.spec.local_shape), x5, w, b)
+        return self.y_reduce.apply(y, plan.y_reduce)
 
 
 def _ci0(P_w: Partition) -> Partition:

@@ -3,20 +3,32 @@
 x on P_x = (1, P_fi) -> Broadcast to P_w = (P_fo, P_fi) -> local y_ij = x_j W_ij^T (+ b_i on
 the first column of P_w only, so the bias is counted once) -> SumReduce over the P_fi axis
 to P_y = (1, P_fo). Adjoint (by autograd): Broadcast dy back, local adjoints, SumReduce dx.
+Inputs may carry leading batch dims: (..., batch, features), the last dim split.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ..errors import PartitionError, ShapeError
+from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
-from ..primitives import BroadcastOp, RepartitionOp, SumReduceOp
+from ..primitives import Broadcast, Plan, SumReduce
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from ._layer import DistributedModule, ShardedParameters
 from ._params import block, connect, parameter
 
 
-class DistributedLinear(torch.nn.Module):
+@dataclass
+class _LinearPlan:
+    out: TensorSpec
+    x_bcast: Plan
+    y_reduce: Plan
+
+
+class DistributedLinear(ShardedParameters, DistributedModule):
     """``y = x W^T + b`` with W split in (P_fo, P_fi) blocks over ``P_w``.
 
     Parameters are initialized like ``torch.nn.Linear`` from the current RNG state (equal
@@ -28,66 +40,59 @@ class DistributedLinear(torch.nn.Module):
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         if P_w.dim != 2 or P_x.dim != 2 or P_y.dim != 2:
-            raise PartitionError("DistributedLinear: P_x, P_y, P_w must be 2-D")
+            raise raised_everywhere(PartitionError("DistributedLinear: P_x, P_y, P_w must be "
+                                                   "2-D"))
         fo, fi = P_w.shape
         if P_x.shape != (1, fi) or P_y.shape != (1, fo):
-            raise PartitionError(
+            raise raised_everywhere(PartitionError(
                 f"DistributedLinear: P_w {P_w.shape} needs P_x of shape (1, {fi}) and P_y of "
-                f"shape (1, {fo}); got {P_x.shape} and {P_y.shape}")
+                f"shape (1, {fo}); got {P_x.shape} and {P_y.shape}"))
         self.P_x, self.P_y, self.P_w = P_x, P_y, P_w
         self.in_features, self.out_features = in_features, out_features
+        self.setup(P_x, set(P_x.ranks) | set(P_y.ranks) | set(P_w.ranks))
         dev = device if device is not None else P_w.world.device
         seq = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=dev)
         self.weight = parameter(block(seq.weight, P_w), seq.weight, 2)
         # bias lives on column 0 of P_w, as a 1-D tensor over P_b = (P_fo,)
         self.P_b = Partition([P_w.world_rank_of((i, 0)) for i in range(fo)], (fo,), P_w.world)
         self.bias = parameter(block(seq.bias, self.P_b), seq.weight, 1) if bias else None
-        self._x_bcast = BroadcastOp(P_x, P_w)
-        self._y_reduce = SumReduceOp(P_w, P_y, transpose_dst=True)
-        root2 = Partition([P_w.ranks[0]], (1, 1), P_w.world)
-        root1 = Partition([P_w.ranks[0]], (1,), P_w.world)
-        self.root = root2
-        self._collect_w = RepartitionOp(P_w, root2, (out_features, in_features))
-        self._collect_b = RepartitionOp(self.P_b, root1, (out_features,)) if bias else None
+        self.root = Partition([P_w.ranks[0]], (1, 1), P_w.world)
+        self.homes = {"weight": (P_w, (out_features, in_features))}
+        if bias:
+            self.homes["bias"] = (self.P_b, (out_features,))
+        self.x_bcast = Broadcast(P_x, P_w)
+        self.y_reduce = SumReduce(P_w, P_y, transpose_dst=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.P_x.active and x.dim() < 2:
-            raise ShapeError(f"DistributedLinear: expected (..., batch, features) blocks, got "
-                             f"{tuple(x.shape)}")
-        xw = self._x_bcast(x)
+    def make_plan(self, spec: TensorSpec) -> _LinearPlan:
+        g = spec.global_shape
+        if spec.ndim < 2 or spec.placements[1] not in (spec.ndim - 1, REPLICATE):
+            raise raised_everywhere(ShapeError(
+                f"DistributedLinear: expected (..., batch, features) blocks, got "
+                f"{spec.describe()}"))
+        if g[-1] != self.in_features:
+            raise raised_everywhere(ShapeError(
+                f"DistributedLinear: the input has {g[-1]} features, the layer takes "
+                f"{self.in_features}"))
+        nd = len(g)
+        xspec = TensorSpec(self.P_x, g, spec.dtype, spec.device_type, (REPLICATE, nd - 1))
+        y = g[:-1] + (self.out_features,)
+        yspec = TensorSpec(self.P_w, y, spec.dtype, spec.device_type, (nd - 1, PARTIAL))
+        out = TensorSpec(self.P_y, y, spec.dtype, spec.device_type,
+                         None if nd == 2 else (REPLICATE, nd - 1))
+        return _LinearPlan(out, self.x_bcast.plan(xspec), self.y_reduce.plan(yspec))
+
+    def spec_of(self, x):
+        from ..meta import derive_spec  # (..., batch, features): only features split
+
+        return derive_spec(self.P_in, x, self.name, self.part_group,
+                           lambda nd: (REPLICATE, nd - 1))
+
+    def run(self, x: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
+        xw = self.x_bcast.apply(x, plan.x_bcast)
         if self.P_w.active:
             y = F.linear(xw, self.weight)
             if self.bias is not None:
                 y = y + self.bias if self.P_b.active else connect(y, self.bias)
         else:
-            y = xw  # zero-volume, keeps the graph connected
-        return self._y_reduce(y)
-
-    # -- global state ---------------------------------------------------------
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Keep this rank's blocks of a sequential ``torch.nn.Linear`` state dict."""
-        with torch.no_grad():
-            self.weight.data = block(sd["weight"], self.P_w).to(self.weight)
-            if self.bias is not None:
-                self.bias.data = block(sd["bias"], self.P_b).to(self.weight)
-
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: full weight/bias on P_w's first worker, ``{}`` elsewhere."""
-        w = self._collect_w(self.weight.detach())
-        b = self._collect_b(self.bias.detach()) if self.bias is not None else None
-        if not self.root.active:
-            return {}
-        out = {"weight": w}
-        if b is not None:
-            out["bias"] = b
-        return out
-
-    def global_grads(self) -> dict[str, torch.Tensor]:
-        """Collective: full gradients on P_w's first worker, ``{}`` elsewhere."""
-        def g(p):
-            return p.grad if p.grad is not None else torch.zeros_like(p)
-        w = self._collect_w(g(self.weight))
-        b = self._collect_b(g(self.bias)) if self.bias is not None else None
-        if not self.root.active:
-            return {}
-        return {"weight": w, **({"bias": b} if b is not None else {})}
+            y = connect(xw.new_zeros(plan.y_reduce.spec.local_shape), xw)
+        return self.y_reduce.apply(y, plan.y_reduce)

@@ -1,49 +1,175 @@
-"""Distributed losses: local loss summed over the partition into the root worker.
+"""Distributed losses: the local loss summed over the partition into the root worker.
 
-F(x) = sum over workers of loss(x_local, target_local) (divided by the global count for
-"mean"), held by P_x's first worker; zero-volume elsewhere. Adjoint (autograd): Broadcast
-of the loss gradient back, then the local loss adjoints.
+F(x) = sum over workers of loss(x_local, target_local), divided for ``"mean"`` by the
+global count (elements; for cross-entropy/NLL the summed weights of the non-ignored
+targets; for KL's ``"batchmean"`` the global batch size). One SumReduce carries the sum and
+the divisor together. Every rank gets a 0-dim tensor: the value on the root, a zero
+connected to the graph elsewhere, so every rank calls plain ``loss.backward()`` (which
+drives its part of the adjoint: a Broadcast of the loss gradient, then the local loss
+adjoints). ``reduction="none"`` returns the element-wise loss distributed like the input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
-from ..primitives import SumReduceOp
-from ._reduce import count_over
+from ..primitives import Plan, SumReduce
+from ..spec import PARTIAL, DistTensor, TensorSpec
+from ._layer import DistributedModule
 
-_LOSSES: dict[str, Callable] = {"mse": F.mse_loss, "cross_entropy": F.cross_entropy,
-                                "l1": F.l1_loss, "nll": F.nll_loss}
+# name -> (torch function, class-dim loss (target without the class dim), its options)
+LOSSES: dict[str, tuple[Callable, bool]] = {
+    "mse": (F.mse_loss, False), "l1": (F.l1_loss, False),
+    "smooth_l1": (F.smooth_l1_loss, False), "huber": (F.huber_loss, False),
+    "bce": (F.binary_cross_entropy, False),
+    "bce_with_logits": (F.binary_cross_entropy_with_logits, False),
+    "kl_div": (F.kl_div, False), "poisson_nll": (F.poisson_nll_loss, False),
+    "cross_entropy": (F.cross_entropy, True), "nll": (F.nll_loss, True),
+}
+_REDUCTIONS = ("mean", "sum", "none", "batchmean")
 
 
-class DistributedLoss(torch.nn.Module):
-    """``loss`` ("mse", "cross_entropy", "l1", "nll" or a callable taking ``reduction``) over
-    a tensor partitioned by ``P_x``; the scalar lands on ``P_x``'s first worker.
+@dataclass
+class _LossPlan:
+    out: TensorSpec
+    total: Plan
+    count: int   # global elements (or targets) for "mean"
+    batch: int   # global batch size for "batchmean"
 
-    For "mean", the divisor is the global number of targets (cross-entropy/nll) or elements.
-    Every rank calls ``backward()`` on what it gets (a zero-volume tensor off the root).
-    """
 
-    def __init__(self, P_x: Partition, loss: str | Callable = "mse",
-                 reduction: str = "mean") -> None:
+class DistributedLoss(DistributedModule):
+    """``loss`` (a name of :data:`LOSSES` or a callable taking ``reduction``) over a tensor
+    partitioned by ``P_x``, ``reduction`` as in torch (``"batchmean"`` for ``kl_div``).
+    Keyword options go to the torch function (``weight``, ``pos_weight``, ``ignore_index``,
+    ``label_smoothing``, ``log_target``, ``log_input``, ``full``, ``beta``, ``delta``...);
+    tensor options are cut to this worker's block where they span a split dimension."""
+
+    def __init__(self, P_x: Partition, loss: str | Callable = "mse", reduction: str = "mean",
+                 **options) -> None:
         super().__init__()
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        self.P_x, self.reduction = P_x, reduction
-        self.fn = _LOSSES[loss] if isinstance(loss, str) else loss
+        if reduction not in _REDUCTIONS:
+            raise raised_everywhere(ValueError(
+                f"reduction must be one of {', '.join(_REDUCTIONS)}, not {reduction!r}"))
+        if isinstance(loss, str):
+            if loss not in LOSSES:
+                raise raised_everywhere(ValueError(
+                    f"unknown loss {loss!r}; choose from {', '.join(sorted(LOSSES))} or pass "
+                    f"a callable"))
+            self.fn, self.classwise = LOSSES[loss]
+        else:
+            self.fn, self.classwise = loss, False
+        if reduction == "batchmean" and self.fn is not F.kl_div:
+            raise raised_everywhere(ValueError("reduction='batchmean' is kl_div's only"))
+        if self.classwise and P_x.dim > 1 and P_x.shape[1] != 1:
+            raise raised_everywhere(PartitionError(
+                f"{loss}: the class dimension (dim 1) must not be partitioned, P_x "
+                f"{P_x.shape}"))
+        self.P_x, self.reduction, self.options = P_x, reduction, options
         self.root = Partition([P_x.ranks[0]], (1,) * P_x.dim, P_x.world)
-        self._sum = SumReduceOp(P_x, self.root, shape=(1,) * P_x.dim)
+        self.setup(P_x, P_x.ranks)
+        self.total = SumReduce(P_x, self.root)
 
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if not self.P_x.active:
-            return x.sum().reshape((1,) * x.dim())[:0]
-        local = self.fn(x, target, reduction="sum").reshape((1,) * self.P_x.dim)
-        total = self._sum(local)
-        if self.reduction == "mean":
-            n = count_over(self.P_x, target.numel(), x.device)
-            total = total / n
-        return total.reshape(()) if total.numel() == 1 else total.reshape(-1)
+    def make_plan(self, spec: TensorSpec) -> _LossPlan:
+        g = spec.global_shape
+        if not spec.standard:
+            raise raised_everywhere(ShapeError(f"{self.name}: the input must be split the "
+                                               f"standard way, got {spec.describe()}"))
+        k = self.P_x.dim
+        tot = TensorSpec(self.P_x, (2,), spec.dtype, spec.device_type, (PARTIAL,) * k)
+        count = 1
+        for i, n in enumerate(g):
+            if not (self.classwise and i == 1):
+                count *= n
+        out = spec if not self.classwise else TensorSpec(
+            spec.partition.reshape(spec.partition.shape[:1] + spec.partition.shape[2:])
+            if k > 1 else spec.partition, g[:1] + g[2:], spec.dtype, spec.device_type)
+        return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1)
+
+    def forward(self, x: DistTensor | torch.Tensor, target) -> DistTensor | torch.Tensor:
+        with self.world.control.scope(self.name):
+            dist_in = isinstance(x, DistTensor)
+            local = x.local if dist_in else x
+            t = target.local if isinstance(target, DistTensor) else target
+            if not dist_in and self.world.rank not in self.participants:
+                return local.sum() * 0
+            spec = x.spec if dist_in else self.spec_of(local)
+            plan = self.plan(spec)
+            spec.check_local(local, self.name)
+            opts = {k: self._cut(v, spec) for k, v in self.options.items()}
+            if self.reduction == "none":
+                y = self.fn(local, t, reduction="none", **opts) if self.P_x.active else \
+                    local.new_zeros(plan.out.local_shape)
+                return DistTensor(y, plan.out, check=False) if dist_in else y
+            return self._reduced(local, t, opts, plan)
+
+    def _reduced(self, x, t, opts, plan: _LossPlan) -> torch.Tensor:
+        if self.P_x.active and x.numel():
+            s = self.fn(x, t, reduction="sum", **opts).reshape(())
+            d = self._denominator(x, t, opts)
+        else:
+            s = x.sum() * 0
+            d = torch.zeros((), dtype=x.dtype, device=x.device)
+        v = self.total.apply(torch.stack([s, d.to(s.dtype)]), plan.total)
+        if not self.root.active:
+            return v.sum() * 0  # a zero that keeps this rank's adjoint in the graph
+        if self.reduction == "sum":
+            return v[0]
+        if self.reduction == "batchmean":
+            return v[0] / plan.batch
+        return v[0] / v[1].detach()
+
+    def _denominator(self, x, t, opts) -> torch.Tensor:
+        """This block's share of the "mean" divisor."""
+        if not self.classwise:
+            return torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)
+        ignore = opts.get("ignore_index", -100)
+        if t.dtype.is_floating_point:  # class probabilities: every target counts
+            return torch.tensor(float(t.numel() // max(t.shape[1] if t.dim() > 1 else 1, 1)),
+                                dtype=x.dtype, device=x.device)
+        keep = t != ignore
+        w = opts.get("weight")
+        if w is None:
+            return keep.sum().to(x.dtype)
+        return w[t.clamp(min=0)].masked_fill(~keep, 0).sum().to(x.dtype)
+
+    def _cut(self, v, spec: TensorSpec):
+        """A tensor option cut to this worker's block along the split dims it spans
+        (aligned with the input's trailing dims, as torch broadcasts it)."""
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or not self.P_x.active:
+            return v
+        if self.classwise:  # weight is per class: the class dim is never split
+            return v
+        g, off = spec.global_shape, spec.ndim - v.dim()
+        sl = []
+        for i in range(v.dim()):
+            d = off + i
+            if d >= 0 and v.shape[i] == g[d] and g[d] > 1:
+                a = spec.local_start[d]
+                sl.append(slice(a, a + spec.local_shape[d]))
+            else:
+                sl.append(slice(None))
+        return v[tuple(sl)]
+
+
+def _named(loss: str, doc: str) -> type:
+    def __init__(self, P_x: Partition, reduction: str = "mean", **options) -> None:
+        DistributedLoss.__init__(self, P_x, loss, reduction, **options)
+
+    return type(f"Distributed{doc}", (DistributedLoss,), {
+        "__init__": __init__, "__doc__": f"``torch.nn.{doc}`` on a partitioned tensor."})
+
+
+DistributedMSELoss = _named("mse", "MSELoss")
+DistributedL1Loss = _named("l1", "L1Loss")
+DistributedBCELoss = _named("bce", "BCELoss")
+DistributedBCEWithLogitsLoss = _named("bce_with_logits", "BCEWithLogitsLoss")
+DistributedKLDivLoss = _named("kl_div", "KLDivLoss")
+DistributedPoissonNLLLoss = _named("poisson_nll", "PoissonNLLLoss")
+DistributedCrossEntropyLoss = _named("cross_entropy", "CrossEntropyLoss")
+DistributedNLLLoss = _named("nll", "NLLLoss")

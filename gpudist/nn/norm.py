@@ -1,146 +1,244 @@
 """Distributed batch normalization over a partitioned (N, C, ...) tensor.
 
-Per-channel sums over the local block are AllSumReduced over P_x (one collective), so every
-worker normalizes with the global batch statistics; gamma/beta live on the first worker and
-are broadcast. The backward is hand-written (one more AllSumReduce, self-adjoint); the
-parameters' adjoint is the Broadcast's SumReduce.
+Statistics: every worker computes its block's per-channel count, mean and variance (torch's
+stable kernel), and one AllSumReduce over the non-channel axes merges them in float64
+(Chan et al.: ``n var = sum_i n_i var_i + sum_i n_i (mean_i - mean)^2``), so large means do
+not cancel. The channel axis may be partitioned: each channel block is reduced over its own
+fibre. gamma/beta live on the workers at (0, j, 0, ..) and are broadcast over P_x.
+
+The backward is hand-written (one more AllSumReduce, self-adjoint):
+``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``; the
+parameters' adjoint is the Broadcast's SumReduce. Empty blocks (more workers than
+entries) take part with zero counts. Options as ``torch.nn.BatchNormNd``: ``eps``,
+``momentum`` (``None``: cumulative average), ``affine``, ``track_running_stats``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from ..errors import PartitionError
+from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
-from ..primitives import AllSumReduceOp, BroadcastOp
+from ..primitives import AllSumReduce, Broadcast, Plan
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from ._layer import DistributedModule, ShardedParameters
 from ._params import parameter
 
 
-class DistributedBatchNorm(torch.nn.Module):
-    """BatchNorm over dims (0, 2, 3, ...) of a tensor partitioned by ``P_x`` (P_x.shape[1]=1)."""
+@dataclass
+class _NormPlan:
+    out: TensorSpec
+    stats: Plan
+    params: Plan | None
+    count: int  # global entries per channel
+
+
+class DistributedBatchNorm(ShardedParameters, DistributedModule):
+    """BatchNorm over dims (0, 2, 3, ...) of a tensor partitioned by ``P_x``."""
 
     def __init__(self, P_x: Partition, num_features: int, eps: float = 1e-5,
-                 momentum: float = 0.1, affine: bool = True, *,
-                 dtype: torch.dtype | None = None,
+                 momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        if P_x.dim < 2 or P_x.shape[1] != 1:
-            raise PartitionError(f"DistributedBatchNorm: channel dimension must not be "
-                                 f"partitioned (P_x {P_x.shape})")
+        if P_x.dim < 2:
+            raise raised_everywhere(PartitionError(
+                f"DistributedBatchNorm: the partition needs (N, C, ...) dimensions, got "
+                f"{P_x.shape}"))
+        pc = P_x.shape[1]
+        if num_features < pc:
+            raise raised_everywhere(PartitionError(
+                f"DistributedBatchNorm: {num_features} channels cannot be split over {pc} "
+                f"workers"))
         self.P_x, self.eps, self.momentum = P_x, eps, momentum
+        self.num_features, self.affine = num_features, affine
+        self.track_running_stats = track_running_stats
+        self.setup(P_x, P_x.ranks)
         dev = device if device is not None else P_x.world.device
         kw = {"dtype": dtype or torch.get_default_dtype(), "device": dev}
-        self.root = Partition([P_x.ranks[0]], (1,), P_x.world)
+        k = P_x.dim
+        self.P_home = Partition([P_x.world_rank_of((0, j) + (0,) * (k - 2)) for j in range(pc)],
+                                (pc,), P_x.world)
+        self.root = Partition([self.P_home.ranks[0]], (1,), P_x.world)
+        # my channel block (every worker of P_x keeps the running statistics of its block)
+        c0, c1 = _channel_range(num_features, P_x)
         ones, zeros = torch.ones(num_features, **kw), torch.zeros(num_features, **kw)
-        self.affine = affine
+        home = self.P_home.active
         if affine:
-            self.weight = parameter(ones if self.root.active else None, ones, 1)
-            self.bias = parameter(zeros if self.root.active else None, ones, 1)
-            dst = P_x.reshape((P_x.size,))
-            self._bcast = BroadcastOp(self.root, dst, shape=(num_features,))
-        self.register_buffer("running_mean", zeros.clone())
-        self.register_buffer("running_var", ones.clone())
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long,
-                                                                 device=dev))
-        self._allsum = AllSumReduceOp(P_x, tuple(range(P_x.dim)))
+            self.weight = parameter(ones[c0:c1] if home else None, ones, 1)
+            self.bias = parameter(zeros[c0:c1] if home else None, ones, 1)
+            self.params = Broadcast(self.P_home.reshape((1, pc) + (1,) * (k - 2)), P_x)
+        else:
+            self.weight = self.bias = None
+            self.params = None
+        self.homes = {"weight": (self.P_home, (num_features,)),
+                      "bias": (self.P_home, (num_features,))} if affine else {}
+        if track_running_stats:
+            self.register_buffer("running_mean", zeros[c0:c1].clone())
+            self.register_buffer("running_var", ones[c0:c1].clone())
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long,
+                                                                     device=dev))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+        self.stats = AllSumReduce(P_x, [a for a in range(k) if a != 1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.P_x.active:
-            return x
-        w = self._bcast(self.weight) if self.affine else None
-        b = self._bcast(self.bias) if self.affine else None
-        if self.training:
-            y, mean, var, n = _SyncBatchNorm.apply(x, w, b, self._allsum, self.eps)
+    def make_plan(self, spec: TensorSpec) -> _NormPlan:
+        g = spec.global_shape
+        if not spec.standard or spec.ndim != self.P_x.dim or g[1] != self.num_features:
+            raise raised_everywhere(ShapeError(
+                f"DistributedBatchNorm: expected (N, {self.num_features}, ...) blocks split the "
+                f"standard way, got {spec.describe()}"))
+        k, dev = self.P_x.dim, spec.device_type
+        st = TensorSpec(self.P_x, (4, g[1]), torch.float64, dev,
+                        (PARTIAL, 1) + (PARTIAL,) * (k - 2))
+        params = None
+        if self.params is not None:
+            params = self.params.plan(TensorSpec(self.params.P_src, (g[1],), spec.dtype, dev,
+                                                 (REPLICATE, 0) + (REPLICATE,) * (k - 2)))
+        count = math.prod(g) // max(g[1], 1)
+        return _NormPlan(spec, self.stats.plan(st), params, count)
+
+    def run(self, x: torch.Tensor, plan: _NormPlan) -> torch.Tensor:
+        w = self.params.apply(self.weight, plan.params) if self.params is not None else None
+        b = self.params.apply(self.bias, plan.params) if self.params is not None else None
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch:
+            return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps), w, b)
+        if self.training and plan.count <= 1:
+            raise raised_everywhere(ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{list(plan.out.global_shape)}"))
+        y, mean, var = _SyncBatchNorm.apply(x, w, b, self.stats, plan.stats, self.eps)
+        if self.training and self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                m, n = self.momentum, int(n)
-                self.running_mean.mul_(1 - m).add_(m * mean)
-                self.running_var.mul_(1 - m).add_(m * var * n / max(n - 1, 1))
-            return y
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        scale = torch.rsqrt(self.running_var + self.eps)
-        shift = -self.running_mean * scale
-        if w is not None:
-            scale, shift = scale * w, shift * w + b
-        return x * scale.reshape(shape) + shift.reshape(shape)
+                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                     else self.momentum)
+                n = plan.count
+                self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.to(self.running_var) * (n / (n - 1)),
+                                                  alpha=m)
+        return y
 
-
-    # -- global state ---------------------------------------------------------
+    # -- global state -------------------------------------------------------------------
     def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take a sequential ``torch.nn.BatchNormNd`` state dict (every rank passes it)."""
+        super().load_global_state_dict(sd)
+        if not self.track_running_stats:
+            return
+        c0, c1 = _channel_range(self.num_features, self.P_x)
         with torch.no_grad():
-            if self.affine and self.root.active:
-                self.weight.data = sd["weight"].detach().clone().to(self.weight)
-                self.bias.data = sd["bias"].detach().clone().to(self.bias)
-            for k in ("running_mean", "running_var", "num_batches_tracked"):
+            for k in ("running_mean", "running_var"):
                 if k in sd:
-                    getattr(self, k).copy_(sd[k])
+                    getattr(self, k).copy_(sd[k][c0:c1])
+            if "num_batches_tracked" in sd:
+                self.num_batches_tracked.copy_(sd["num_batches_tracked"])
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """The sequential layer's state dict on P_x's first worker, ``{}`` elsewhere (the
-        running statistics are replicated over P_x, the affine parameters live there)."""
-        if not self.root.active:
-            return {}
-        out = {k: getattr(self, k).detach().clone()
-               for k in ("running_mean", "running_var", "num_batches_tracked")}
-        if self.affine:
-            out.update(weight=self.weight.detach().clone(), bias=self.bias.detach().clone())
+        """The sequential layer's state dict on the first worker, ``{}`` elsewhere."""
+        out = super().global_state_dict()
+        if self.track_running_stats:
+            for k in ("running_mean", "running_var"):
+                v = self._running(k)
+                if self.root.active:
+                    out[k] = v
+            if self.root.active:
+                out["num_batches_tracked"] = self.num_batches_tracked.detach().clone()
         return out
+
+    def _running(self, k: str) -> torch.Tensor:
+        """Collect a running statistic from the channel-block homes to the root."""
+        ops = getattr(self, "_collect_running", None)
+        if ops is None:
+            from ..primitives import Repartition
+
+            ops = Repartition(self.P_home, Partition(self.root.ranks, (1,), self.world))
+            self._collect_running = ops
+        t = getattr(self, k).detach()
+        return ops(t if self.P_home.active else t.new_zeros(0))
+
+
+def _channel_range(C: int, P_x: Partition) -> tuple[int, int]:
+    if not P_x.active:
+        return 0, 0
+    from ..decomposition import block_range
+
+    return block_range(C, P_x.shape[1], P_x.coords[1])
+
+
+def _shape(x: torch.Tensor) -> list[int]:
+    return [1, -1] + [1] * (x.dim() - 2)
+
+
+def _affine(x, mean, invstd, w, b):
+    """(x - mean) invstd w + b, per channel, in x's dtype (subtracting first: no
+    cancellation for large means)."""
+    s = _shape(x)
+    scale = invstd if w is None else invstd * w
+    y = torch.sub(x, mean.to(x.dtype).reshape(s)).mul_(scale.to(x.dtype).reshape(s))
+    return y if b is None else y.add_(b.to(x.dtype).reshape(s))
 
 
 class _SyncBatchNorm(torch.autograd.Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b with global batch statistics.
-
-    Forward: local per-channel [sum x, sum x^2, count] -> AllSumReduce -> one fused
-    scale-and-shift pass. Backward (hand-written, like torch's SyncBatchNorm): local
-    [sum dy, sum dy (x - mean)] -> AllSumReduce -> dx in one pass; dw, db are this worker's
-    partial sums (the weight Broadcast's adjoint sums them).
-    """
+    """y = (x - mean) / sqrt(var + eps) * w + b with the global batch statistics."""
 
     @staticmethod
-    def forward(ctx, x, w, b, allsum: AllSumReduceOp, eps: float):  # type: ignore[override]
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        xa = x.to(acc)
+    def forward(ctx, x, w, b, allsum: AllSumReduce, plan: Plan, eps: float):  # type: ignore
         C = x.shape[1]
-        count = torch.full((C,), x.numel() // max(C, 1), dtype=acc, device=x.device)
-        tot = allsum._sum(torch.stack([xa.sum(dims), (xa * xa).sum(dims), count]))
-        n = tot[2]
-        mean = tot[0] / n
-        var = (tot[1] / n - mean * mean).clamp_min(0)
+        n_i = x.numel() // C if C else 0
+        loc = torch.zeros(4, C, dtype=torch.float64, device=x.device)
+        if n_i:
+            m_i, v_i = torch.batch_norm_update_stats(x, None, None, 0.0)
+            m_i, v_i = m_i.to(torch.float64), v_i.to(torch.float64)
+            loc[0] = n_i
+            loc[1] = n_i * m_i
+            loc[2] = n_i * v_i
+            loc[3] = n_i * m_i * m_i
+        tot = allsum.apply(loc, plan)
+        n = tot[0]
+        mean = tot[1] / n
+        var = ((tot[2] + tot[3] - n * mean * mean) / n).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
-        scale = invstd * w.to(acc) if w is not None else invstd
-        shift = (b.to(acc) if b is not None else torch.zeros_like(mean)) - mean * scale
-        # (out-of-place addcmul with a broadcast first operand is ~6x slower on CPU)
-        y = (xa * scale.reshape(shape)).add_(shift.reshape(shape)).to(x.dtype)
-        ctx.save_for_backward(x, mean, invstd, w, n)
-        ctx.allsum, ctx.affine = allsum, w is not None
-        ctx.mark_non_differentiable(mean, var, n)
-        return y, mean, var, n[0] if n.numel() else n.sum()
+        acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        y = _affine(x, mean.to(acc), invstd.to(acc), w, b) if n_i else x.clone()
+        ctx.save_for_backward(x, mean.to(acc), invstd.to(acc), w)
+        ctx.allsum, ctx.plan, ctx.n = allsum, plan, n
+        return y, mean, var
 
     @staticmethod
-    def backward(ctx, dy, _mean, _var, _n):  # type: ignore[override]
-        x, mean, invstd, w, n = ctx.saved_tensors
-        dims = [0] + list(range(2, x.dim()))
-        shape = [1, -1] + [1] * (x.dim() - 2)
+    def backward(ctx, dy, _mean, _var):  # type: ignore[override]
+        x, mean, invstd, w = ctx.saved_tensors
+        C = x.shape[1]
+        loc = torch.zeros(2, C, dtype=torch.float64, device=x.device)
+        if x.numel():
+            dims = [0] + list(range(2, x.dim()))
+            if x.is_cuda:  # SyncBatchNorm's kernel: (sum dy, sum dy (x - mean), ...)
+                sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
+                    dy, x, mean, invstd, w, True, False, False)
+            elif dy.dtype == x.dtype:  # torch's fused reduction: sum dy (x - mean) invstd
+                _, s, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                    dy, x, None, None, None, mean, invstd, True, 0.0, [False, True, True])
+                sum_dy_xmu = s / invstd
+            else:
+                sum_dy = dy.sum(dims)
+                sum_dy_xmu = (dy * (x - mean.reshape(_shape(x)))).sum(dims)
+            loc[0], loc[1] = sum_dy, sum_dy_xmu
+        g = ctx.allsum.apply(loc, ctx.plan)
+        n = ctx.n
+        dw = db = None
+        if w is not None:
+            dw = (loc[1] * invstd.to(torch.float64)).to(w.dtype)
+            db = loc[0].to(w.dtype)
+        if not x.numel():
+            return torch.zeros_like(x), dw, db, None, None, None
         acc = mean.dtype
-        xa, dya = x.to(acc), dy.to(acc)
-        if xa.dtype == dya.dtype and xa.device.type in ("cpu", "cuda"):
-            # torch's fused reduction: (sum dy (x - mean) invstd, sum dy), no temporary
-            _, s_dyxhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dya, xa, None, None, None, mean, invstd, True, 0.0, [False, True, True])
-            sum_dy_xmu = s_dyxhat / invstd
-        else:
-            sum_dy = dya.sum(dims)
-            sum_dy_xmu = (dya * xa).sum(dims) - mean * sum_dy
-        g = ctx.allsum._sum(torch.stack([sum_dy, sum_dy_xmu]))
-        k1 = invstd * w.to(acc) if ctx.affine else invstd  # dx = k1 dy + k2 x + k3
-        k2 = -k1 * invstd * invstd * g[1] / n
-        k3 = -k1 * g[0] / n - mean * k2
-        dx = (xa * k2.reshape(shape)).add_(k3.reshape(shape))  # one full-size allocation
-        dx.addcmul_(dya, k1.reshape(shape))
-        dx = dx.to(x.dtype)
-        dw = (sum_dy_xmu * invstd).to(w.dtype) if ctx.affine else None
-        db = sum_dy.to(w.dtype) if ctx.affine else None
-        return dx, dw, db, None, None
+        k1 = invstd if w is None else invstd * w.to(acc)
+        k2 = (-k1 * invstd * invstd * (g[1] / n).to(acc))
+        mdy = (g[0] / n).to(acc)
+        s = _shape(x)
+        dx = torch.sub(x, mean.reshape(s)).mul_(k2.reshape(s))
+        dx.addcmul_(dy, k1.reshape(s)).sub_((mdy * k1).reshape(s))
+        return dx.to(x.dtype), dw, db, None, None, None

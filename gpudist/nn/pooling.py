@@ -10,9 +10,8 @@ dilation ``d``) the output length is torch's::
 
 ``ceil_mode`` is realized by ``r = (m-1)*s + d(k-1) + 1 - (L + 2p)`` extra entries of RIGHT
 padding, so the halo geometry's floor rule yields ``m`` outputs. Since ``r`` depends on the
-global length, the layer builds one :class:`~gpudist.halo.HaloExchange` per global shape
-(from ``HaloExchange.global_shape_of``: an all-gather of local shapes, cached per local
-shape).
+global length, the layer's :class:`~gpudist.halo.HaloExchange` takes its geometry as a
+function of the global shape (:meth:`_DistributedPoolNd.geometry`).
 
 Average pooling divides a sum pool by torch's divisor, a product over dims of per-dim counts
 of the window ``[t, min(t+k, L+p))``, ``t = o*s - p``: its length (``count_include_pad``) or
@@ -23,14 +22,17 @@ this worker's outputs comes from their global indices (``WorkerHalo.outputs``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import PartitionError, ShapeError
-from ..halo import HaloExchange
+from ..errors import PartitionError, ShapeError, raised_everywhere
+from ..halo import HaloExchange, HaloGeometry, halo_spec
 from ..partition import Partition
-from ._halo import exchange_for_op, op_halo
+from ..primitives import Plan
+from ..spec import TensorSpec
+from ._layer import DistributedModule, per_dim
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -38,16 +40,7 @@ _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 IntOrSeq = int | Sequence[int]
 
 
-def _per_dim(name: str, layer: str, v: IntOrSeq, n: int) -> tuple[int, ...]:
-    """An int or a sequence of 1 or ``n`` ints -> ``n`` ints (torch's rule)."""
-    vals = [v] if isinstance(v, int) else list(v)
-    if len(vals) not in (1, n) or not all(isinstance(a, int) for a in vals):
-        raise ValueError(f"{layer}: {name} must be a single int or a tuple of {n} ints, "
-                         f"got {v!r}")
-    return tuple(int(a) for a in vals) * (n if len(vals) == 1 else 1)
-
-
-def output_length(L: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+def pool_output_length(L: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
     """torch's pooling output length for one dimension (may be < 1: no output)."""
     span = d * (k - 1) + 1
     m = (L + 2 * p - span + (s - 1 if ceil_mode else 0)) // s + 1
@@ -67,8 +60,17 @@ def window_counts(L: int, k: int, s: int, p: int, outputs: tuple[int, int],
     return end - start
 
 
-class _DistributedPoolNd(torch.nn.Module):
-    """Shared machinery: validation, halo per global shape, inactive ranks."""
+@dataclass
+class _PoolPlan:
+    out: TensorSpec
+    halo: Plan
+    pads: tuple[int, ...]
+    empty_out: bool
+    divisor: dict
+
+
+class _DistributedPoolNd(DistributedModule):
+    """Shared machinery: validation, the halo geometry per global shape, inactive ranks."""
 
     spatial = 2
     kind = "max"
@@ -77,66 +79,75 @@ class _DistributedPoolNd(torch.nn.Module):
                padding: IntOrSeq, dilation: IntOrSeq, ceil_mode: bool) -> None:
         n, name = self.spatial, type(self).__name__
         if P_x.dim != n + 2:
-            raise PartitionError(f"{name}: the input partition must have {n + 2} dimensions "
-                                 f"(N, C, {n} spatial), got {P_x.shape}")
+            raise raised_everywhere(PartitionError(
+                f"{name}: the input partition must have {n + 2} dimensions (N, C, {n} "
+                f"spatial), got {P_x.shape}"))
         self.P_x = P_x
-        self.k = _per_dim("kernel_size", name, kernel_size, n)
+        self.k = per_dim("kernel_size", name, kernel_size, n)
         no_stride = stride is None or (not isinstance(stride, int) and len(stride) == 0)
-        self.s = self.k if no_stride else _per_dim("stride", name, stride, n)
-        self.p = _per_dim("padding", name, padding, n)
-        self.d = _per_dim("dilation", name, dilation, n)
+        self.s = self.k if no_stride else per_dim("stride", name, stride, n)
+        self.p = per_dim("padding", name, padding, n)
+        self.d = per_dim("dilation", name, dilation, n)
         self.ceil_mode = bool(ceil_mode)
         for opt, vals in (("kernel_size", self.k), ("stride", self.s), ("dilation", self.d)):
             if any(v <= 0 for v in vals):
-                raise ValueError(f"{name}: {opt} must be greater than zero, got {vals}")
+                raise raised_everywhere(ValueError(
+                    f"{name}: {opt} must be greater than zero, got {vals}"))
         if any(v < 0 for v in self.p):
-            raise ValueError(f"{name}: padding must be non-negative, got {self.p}")
+            raise raised_everywhere(ValueError(
+                f"{name}: padding must be non-negative, got {self.p}"))
         if any(p > k // 2 for p, k in zip(self.p, self.k)):
-            raise ValueError(f"{name}: padding should be at most half of kernel_size (as in "
-                             f"torch), got padding={self.p}, kernel_size={self.k}")
-        # used only for global_shape_of: an all-gather of local shapes over P_x, cached
-        self._shapes = HaloExchange(P_x)
-        self._halos: dict[tuple[int, ...], HaloExchange] = {}
+            raise raised_everywhere(ValueError(
+                f"{name}: padding should be at most half of kernel_size (as in torch), got "
+                f"padding={self.p}, kernel_size={self.k}"))
+        self.setup(P_x, P_x.ranks)
+        fill = float("-inf") if self.kind == "max" else 0.0
+        self.halo = HaloExchange(P_x, geometry=self.geometry, pad_value=fill, op_padding=True)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.k}, stride={self.s}, padding={self.p}, "
                 f"dilation={self.d}, ceil_mode={self.ceil_mode}")
 
-    def halo_for(self, g: tuple[int, ...]) -> HaloExchange:
-        """The halo exchange for global input shape ``g`` (cached): padding ``(p, p + r)``
-        per spatial dim, ``r`` the extra right padding of ``ceil_mode``."""
-        h = self._halos.get(g)
-        if h is None:
-            pads: list[tuple[int, int]] = [(0, 0), (0, 0)]
-            for a, L in enumerate(g[2:]):
-                k, s, p, d = self.k[a], self.s[a], self.p[a], self.d[a]
-                m = output_length(L, k, s, p, d, self.ceil_mode)
-                if m < 1:
-                    raise ShapeError(
-                        f"{type(self).__name__}: global input size {g[2:]} gives output "
-                        f"length {m} in spatial dim {a} (kernel_size={k}, stride={s}, "
-                        f"padding={p}, dilation={d}): output size is too small")
-                r = max(0, (m - 1) * s + d * (k - 1) + 1 - (L + 2 * p))
-                pads.append((p, p + r))
-            fill = float("-inf") if self.kind == "max" else 0.0
-            h = op_halo(self.P_x, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
-                        (1, 1) + self.d, fill, global_shape=g)
-            self._halos[g] = h
-        return h
+    def geometry(self, spec: TensorSpec) -> tuple[HaloGeometry, ...]:
+        """Halo geometry for the input tensor: padding ``(p, p + r)`` per spatial dim, ``r``
+        the extra right padding of ``ceil_mode``."""
+        g = spec.global_shape
+        pads: list[tuple[int, int]] = [(0, 0), (0, 0)]
+        for a, L in enumerate(g[2:]):
+            k, s, p, d = self.k[a], self.s[a], self.p[a], self.d[a]
+            m = pool_output_length(L, k, s, p, d, self.ceil_mode)
+            if m < 1:
+                raise raised_everywhere(ShapeError(
+                    f"{type(self).__name__}: global input size {g[2:]} gives output length {m}"
+                    f" in spatial dim {a} (kernel_size={k}, stride={s}, padding={p}, "
+                    f"dilation={d}): output size is too small"))
+            r = max(0, (m - 1) * s + d * (k - 1) + 1 - (L + 2 * p))
+            pads.append((p, p + r))
+        return halo_spec(g, self.P_x.shape, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
+                         (1, 1) + self.d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.P_x.active:
-            return x
-        if x.dim() != self.spatial + 2:
-            raise ShapeError(f"{type(self).__name__}: expected a {self.spatial + 2}-D "
-                             f"block (N, C, spatial), got shape {tuple(x.shape)}")
-        g = self._shapes.global_shape_of(x)
-        h = self.halo_for(g)
-        xh, pad = exchange_for_op(h, x, self.spatial)  # the op pads ``pad`` itself
-        return self._pool(xh, pad, g, h)
+    def make_plan(self, spec: TensorSpec) -> _PoolPlan:
+        n = self.spatial
+        if not spec.standard or spec.ndim != n + 2:
+            raise raised_everywhere(ShapeError(
+                f"{self.name}: expected a {n + 2}-D (N, C, spatial) tensor split the standard "
+                f"way, got {spec.describe()}"))
+        geo = self.halo.geometry_of(spec)
+        out = TensorSpec(self.P_x, spec.global_shape[:2] + tuple(x.output_size
+                                                                   for x in geo[2:]),
+                         spec.dtype, spec.device_type)
+        hp = self.halo.plan(spec) if self.P_x.active else None
+        pads = tuple(lo for lo, _ in hp.local.pads[2:]) if hp is not None else (0,) * n
+        empty = self.P_x.active and 0 in out.local_shape
+        return _PoolPlan(out, hp, pads, empty, {})
 
-    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
-              h: HaloExchange) -> torch.Tensor:
+    def run(self, x: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
+        xh = self.halo.apply(x, plan.halo)
+        if plan.empty_out:  # no output here: keep the graph, skip the op
+            return xh.new_zeros(plan.out.local_shape) + xh.sum() * 0
+        return self._pool(xh, plan)
+
+    def _pool(self, xh: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -151,13 +162,13 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                  ceil_mode: bool = False) -> None:
         super().__init__()
         if return_indices:
-            raise ValueError(f"{type(self).__name__}: return_indices=True is not supported "
-                             f"(indices into a partitioned input have no local meaning)")
+            raise raised_everywhere(ValueError(
+                f"{type(self).__name__}: return_indices=True is not supported (indices into a "
+                f"partitioned input have no local meaning)"))
         self._setup(P_x, kernel_size, stride, padding, dilation, ceil_mode)
 
-    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
-              h: HaloExchange) -> torch.Tensor:
-        return _MAX[self.spatial](xh, self.k, self.s, pad, self.d)
+    def _pool(self, xh: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
+        return _MAX[self.spatial](xh, self.k, self.s, plan.pads, self.d)
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):
@@ -172,25 +183,26 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         super().__init__()
         self._setup(P_x, kernel_size, stride, padding, 1, ceil_mode)
         if divisor_override is not None and int(divisor_override) == 0:
-            raise ValueError(f"{type(self).__name__}: divisor_override must be non-zero")
+            raise raised_everywhere(ValueError(
+                f"{type(self).__name__}: divisor_override must be non-zero"))
         self.count_include_pad = bool(count_include_pad)
         self.divisor_override = None if divisor_override is None else int(divisor_override)
-        self._divisors: dict[tuple, torch.Tensor | None] = {}
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.k}, stride={self.s}, padding={self.p}, "
                 f"ceil_mode={self.ceil_mode}, count_include_pad={self.count_include_pad}, "
                 f"divisor_override={self.divisor_override}")
 
-    def divisor(self, g: tuple[int, ...], h: HaloExchange, like: torch.Tensor
-                ) -> torch.Tensor | None:
+    def divisor(self, plan: _PoolPlan, like: torch.Tensor) -> torch.Tensor | None:
         """Torch's divisor for this worker's outputs, shaped (1, 1, m_0..) to broadcast;
-        None where it is the kernel volume everywhere (plain ``avg_pool``)."""
-        key = (g, like.dtype, like.device)
-        if key not in self._divisors:
-            me = h.plan(g).me[2:]
+        None where it is the kernel volume everywhere (plain ``avg_pool``). Cached in the
+        plan per dtype/device."""
+        key = (like.dtype, like.device)
+        if key not in plan.divisor:
+            hp = plan.halo.local
+            g = plan.halo.spec.global_shape
             counts = [window_counts(L, k, s, p, w.outputs, self.count_include_pad)
-                      for L, k, s, p, w in zip(g[2:], self.k, self.s, self.p, me)]
+                      for L, k, s, p, w in zip(g[2:], self.k, self.s, self.p, hp.me[2:])]
             if all(bool((c == k).all()) for c, k in zip(counts, self.k)):
                 div = None
             else:
@@ -198,16 +210,15 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
                 for c in counts:
                     div = div.unsqueeze(-1) * c
                 div = div.to(dtype=like.dtype, device=like.device)
-            self._divisors[key] = div
-        return self._divisors[key]
+            plan.divisor[key] = div
+        return plan.divisor[key]
 
-    def _pool(self, xh: torch.Tensor, pad: tuple[int, ...], g: tuple[int, ...],
-              h: HaloExchange) -> torch.Tensor:
+    def _pool(self, xh: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
         # the op's own zero padding is counted like the halo's (count_include_pad=True)
-        n = self.spatial
+        n, pad = self.spatial, plan.pads
         div: torch.Tensor | int | None = self.divisor_override
         if div is None:
-            div = self.divisor(g, h, xh)
+            div = self.divisor(plan, xh)
             if div is None:
                 return _AVG[n](xh, self.k, self.s, pad)
         if n == 1:  # avg_pool1d has no divisor_override: sum-pool as a 2-D pool

@@ -42,10 +42,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..buffers import LRU
 from ..decomposition import block_range
-from ..errors import HaloError, PartitionError, ShapeError
-from ..halo import HaloExchange, HaloGeometry, HaloPlan, halo_exchange
+from ..errors import HaloError, PartitionError, ShapeError, raised_everywhere
+from ..halo import HaloExchange, HaloGeometry
 from ..partition import Partition
+from ..spec import TensorSpec
+from ._layer import DistributedModule, per_dim
 
 # mode -> the spatial ranks it supports (torch's rule)
 MODES: dict[str, tuple[int, ...]] = {
@@ -240,32 +243,21 @@ class _Plan:
     """Everything for one global input shape (and opmath dtype): the halo plan, the global
     output shape, this worker's per-dim taps (global; localized per dtype/device)."""
 
-    def __init__(self, layer: DistributedUpsample, g: tuple[int, ...], dt: torch.dtype) -> None:
-        P, n = layer.P_x, layer.spatial
+    def __init__(self, layer: DistributedUpsample, spec: TensorSpec) -> None:
+        P = layer.P_x
+        g = spec.global_shape
         self.global_shape = g
         sizes = layer.output_sizes(g[2:])
         self.output_shape = tuple(g[:2]) + sizes
-        geos: list[HaloGeometry] = [HaloGeometry(g[0], P.shape[0], axis=0),
-                                    HaloGeometry(g[1], P.shape[1], axis=1)]
+        self.out = TensorSpec(P, self.output_shape, spec.dtype, spec.device_type)
+        geos, all_taps = layer.dims(spec)
         self.taps: list[tuple[Taps, tuple[int, int], tuple[int, int]]] = []
-        legacy = uses_legacy_nearest(sizes)
-        for a in range(n):
-            d, L, M = a + 2, g[a + 2], sizes[a]
-            taps = source_taps(layer.mode, L, M, layer.align_corners,
-                               layer.scale_for(a), dt, legacy_nearest=legacy)
-            outs = [block_range(M, P.shape[d], i) for i in range(P.shape[d])]
-            needs = [taps.reads(*o) for o in outs]
-            try:
-                geo = HaloGeometry.from_intervals(L, outs, needs, axis=d)
-            except HaloError as e:
-                raise HaloError(f"{layer.name}: input size {L} -> output size {M} in spatial "
-                                f"dim {a} over {P.shape[d]} workers: {e}") from None
-            geos.append(geo)
-            if P.active:
-                me = geo.worker(P.coords[d])
+        if P.active:
+            for a, taps in enumerate(all_taps):
+                me = geos[a + 2].worker(P.coords[a + 2])
                 self.taps.append((taps, me.outputs, me.needed))
-        self.halo = HaloPlan(P, geos)
-        self.skip_halo = not P.active or (self.halo.identity and not self.halo.steps)
+        self.halo = layer.halo.plan(spec) if P.active else None
+        self.empty_out = P.active and 0 in self.out.local_shape
         self._ops: dict[tuple, list[_DimOp]] = {}
         self.fast = self._fast_path(layer, g, sizes)
 
@@ -323,24 +315,7 @@ class _Plan:
         return ops
 
 
-def _per_dim(name: str, layer: str, v, n: int, kind: type) -> tuple | None:
-    """None, a number, or a sequence of ``n`` numbers -> ``n``-tuple (torch's rule)."""
-    if v is None:
-        return None
-    vals = list(v) if isinstance(v, (list, tuple)) else [v] * n
-    if len(vals) != n:
-        raise ValueError(f"{layer}: {name} must be a single value or a tuple of {n} values "
-                         f"(one per spatial dim), got {v!r}")
-    out = []
-    for x in vals:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or (
-                kind is int and not isinstance(x, int)):
-            raise ValueError(f"{layer}: {name} must hold {kind.__name__}s, got {v!r}")
-        out.append(kind(x))
-    return tuple(out)
-
-
-class DistributedUpsample(torch.nn.Module):
+class DistributedUpsample(DistributedModule):
     """Up- or down-sampling of a tensor partitioned over ``P_x`` = (P_b, P_c, P_0, ..),
     equal to ``torch.nn.Upsample(size, scale_factor, mode, align_corners,
     recompute_scale_factor)`` on the global tensor (a ``scale_factor`` < 1 or a smaller
@@ -364,7 +339,6 @@ class DistributedUpsample(torch.nn.Module):
                  recompute_scale_factor: bool | None = None) -> None:
         super().__init__()
         name = type(self).__name__
-        self.name = name
         n = P_x.dim - 2
         if n not in (1, 2, 3):
             raise PartitionError(f"{name}: the input partition must have 3, 4 or 5 dimensions "
@@ -389,8 +363,9 @@ class DistributedUpsample(torch.nn.Module):
             raise ValueError(f"{name}: recompute_scale_factor is not meaningful with an "
                              f"explicit size")
         self.P_x, self.spatial, self.mode = P_x, n, mode
-        self.size = _per_dim("size", name, size, n, int)
-        self.scale_factor = _per_dim("scale_factor", name, scale_factor, n, float)
+        self.size = per_dim("size", name, size, n, int, allow_none=True)
+        self.scale_factor = per_dim("scale_factor", name, scale_factor, n, float,
+                                    allow_none=True)
         if self.size is not None and any(s < 1 for s in self.size):
             raise ValueError(f"{name}: size must be positive, got {size!r}")
         if self.scale_factor is not None and not all(
@@ -402,8 +377,9 @@ class DistributedUpsample(torch.nn.Module):
         self.recompute_scale_factor = recompute_scale_factor
         # torch: area always uses the output size (scale recomputed as L/M)
         self._recompute = bool(recompute_scale_factor) or mode == "area"
-        self._shapes = HaloExchange(P_x)  # for global_shape_of (all-gather, cached)
-        self._plans: dict[tuple, _Plan] = {}
+        self.setup(P_x, P_x.ranks)
+        self.geo_cache = LRU(self.world.cache_size)
+        self.halo = HaloExchange(P_x, geometry=self._geometry)
         # no spatial split: every block holds whole spatial slices, torch's op is exact
         self.local_torch = all(s == 1 for s in P_x.shape[2:])
 
@@ -440,30 +416,59 @@ class DistributedUpsample(torch.nn.Module):
             return None
         return self.scale_factor[a]
 
-    def plan(self, global_shape: Sequence[int], dtype: torch.dtype = torch.float64) -> _Plan:
-        """The (cached) plan for a global input shape and input dtype. Raises
-        :class:`HaloError`/:class:`ShapeError` identically on every worker."""
-        g, dt = tuple(int(s) for s in global_shape), _opmath(dtype)
-        if self.mode == "area":
-            dt = torch.float64  # integer index math; the divisor is cast to the input dtype
-        p = self._plans.get((g, dt))
-        if p is None:
-            p = _Plan(self, g, dt)
-            self._plans[(g, dt)] = p
-        return p
+    def opmath(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the index math for inputs of ``dtype`` (area: integer math)."""
+        return torch.float64 if self.mode == "area" else _opmath(dtype)
+
+    def dims(self, spec: TensorSpec) -> tuple[tuple[HaloGeometry, ...], list[Taps]]:
+        """Per-dim halo geometry and taps for an input tensor (cached; raises HaloError on
+        every rank if a worker needs more than its direct neighbours own)."""
+        return self.geo_cache.get_or_make(spec, lambda: self._dims(spec))
+
+    def _dims(self, spec: TensorSpec):
+        P, n = self.P_x, self.spatial
+        g, dt = spec.global_shape, self.opmath(spec.dtype)
+        sizes = self.output_sizes(g[2:])
+        geos = [HaloGeometry(g[0], P.shape[0], axis=0), HaloGeometry(g[1], P.shape[1], axis=1)]
+        all_taps = []
+        legacy = uses_legacy_nearest(sizes)
+        for a in range(n):
+            d, L, M = a + 2, g[a + 2], sizes[a]
+            taps = source_taps(self.mode, L, M, self.align_corners, self.scale_for(a), dt,
+                               legacy_nearest=legacy)
+            outs = [block_range(M, P.shape[d], i) for i in range(P.shape[d])]
+            needs = [taps.reads(*o) for o in outs]
+            try:
+                geos.append(HaloGeometry.from_intervals(L, outs, needs, axis=d))
+            except HaloError as e:
+                raise raised_everywhere(HaloError(
+                    f"{self.name}: input size {L} -> output size {M} in spatial dim {a} over "
+                    f"{P.shape[d]} workers: {e}")) from None
+            all_taps.append(taps)
+        return tuple(geos), all_taps
+
+    def _geometry(self, spec: TensorSpec) -> tuple[HaloGeometry, ...]:
+        return self.dims(spec)[0]
+
+    def make_plan(self, spec: TensorSpec) -> _Plan:
+        if not spec.standard or spec.ndim != self.spatial + 2:
+            raise raised_everywhere(ShapeError(
+                f"{self.name}: expected a {self.spatial + 2}-D block (N, C, spatial) split the "
+                f"standard way, got {spec.describe()}"))
+        if self.local_torch:  # no halo needed: torch's op on each block
+            out = TensorSpec(self.P_x, self.output_shape(spec.global_shape), spec.dtype,
+                             spec.device_type)
+            return _TorchPlan(out)
+        return _Plan(self, spec)
 
     # -- forward ----------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.P_x.active:
-            return x
-        if x.dim() != self.spatial + 2:
-            raise ShapeError(f"{self.name}: expected a {self.spatial + 2}-D block (N, C, "
-                             f"spatial), got shape {tuple(x.shape)}")
+    def run(self, x: torch.Tensor, plan) -> torch.Tensor:
         if self.local_torch:
             return F.interpolate(x, self.size, self.scale_factor, self.mode, self._align_arg,
                                  self.recompute_scale_factor)
-        plan = self.plan(self._shapes.global_shape_of(x), x.dtype)
-        y = x if plan.skip_halo else halo_exchange(plan.halo, x)
+        y = self.halo.apply(x, plan.halo)
+        if plan.empty_out:
+            return y.new_zeros(plan.out.local_shape) + y.sum() * 0
         if plan.fast is not None:  # torch's fused kernel on the extended block, cropped
             scales, crop = plan.fast
             full = F.interpolate(y, scale_factor=scales, mode=self.mode, align_corners=False)
@@ -474,6 +479,11 @@ class DistributedUpsample(torch.nn.Module):
         if y is x:  # every dim an identity: still a new tensor, like torch
             y = x.clone()
         return y
+
+
+@dataclass
+class _TorchPlan:
+    out: TensorSpec
 
 
 def _check_2d(name: str, P_x: Partition) -> None:

@@ -4,38 +4,53 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
+from ..errors import ShapeError, raised_everywhere
+from ..meta import derive_spec
 from ..partition import Partition
-from .base import Primitive, PrimitiveModule
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from .base import Plan, Primitive
 
 
-class AllSumReduceOp(Primitive):
+class AllSumReduce(Primitive):
     """F: every worker gets the sum of the blocks of the workers that share its coordinates
-    off ``axes``. F* = F."""
+    off ``axes`` (summands along ``axes``, whole copies after). F* = F."""
+
+    name = "AllSumReduce"
 
     def __init__(self, P: Partition, axes: Sequence[int]) -> None:
-        self.P, self.axes = P, tuple(axes)
-        self.sub = P.sub(self.axes)
+        self.P, self.axes = P, tuple(sorted({int(a) % P.dim for a in axes}))
+        super().__init__(P.world, P.ranks, (P.key, self.axes))
+        self.sub = P.sub(self.axes)  # world-collective
+        self.in_partition = P
 
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.P.active:
-            return x
-        y = x.contiguous().clone()
-        if self.sub.group is not None:
-            self.P.world.transport.all_reduce(y, self.sub.group).wait(self.P.world.timeout)
+    def derive(self, x):
+        pl = [PARTIAL if (i in self.axes or x.dim() != self.P.dim) else i
+              for i in range(self.P.dim)]
+        return derive_spec(self.P, x, self.name, self.group, pl)
+
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        pl = list(spec.placements)
+        for a in self.axes:
+            if pl[a] >= 0:
+                raise raised_everywhere(ShapeError(
+                    f"AllSumReduce: partition axis {a} is summed but the tensor is split "
+                    f"along it (tensor dim {pl[a]}): blocks of different parts cannot be "
+                    f"added"))
+            pl[a] = REPLICATE
+        return spec.replace(placements=tuple(pl))
+
+    def make_plan(self, spec, out):
+        return None, self.sub.group is None
+
+    def _sum(self, x, name: str):
+        y = self.buffers.get(name, x.shape, x.dtype, x.device)
+        y.copy_(x)
+        tr = self.world.transport
+        tr.wait([tr.all_reduce(y, self.sub.group)])
         return y
 
-    def forward(self, x):
-        return self._sum(x), None
+    def forward(self, x, plan: Plan):
+        return self._sum(x, "out")
 
-    def adjoint(self, dy, state):
-        return self._sum(dy)
-
-
-class AllSumReduce(PrimitiveModule):
-    """Sum over partition ``axes`` with the result on every worker; its own adjoint."""
-
-    def __init__(self, P: Partition, axes: Sequence[int]) -> None:
-        super().__init__()
-        self.op = AllSumReduceOp(P, axes)
+    def adjoint(self, dy, plan: Plan):
+        return self._sum(dy, "adjoint")

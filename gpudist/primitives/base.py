@@ -1,25 +1,39 @@
-"""What every primitive shares: the autograd bridge, metadata exchange, zero-volume tensors.
+"""What every primitive shares: plans, the first-call check, the autograd bridge.
 
-A primitive is a small object with ``forward(x) -> (y, state)`` and
-``adjoint(dy, state) -> dx``; :func:`apply` wraps the pair in one autograd Function, so the
-backward pass of a network runs the hand-written adjoint of every data movement.
+A primitive is a linear data movement ``F`` between distributed tensors with its adjoint
+``F*``. A subclass states four things:
+
+* ``out_spec(spec)``: the output's :class:`~gpudist.spec.TensorSpec` (pure: every rank
+  computes the same, and raises the same error for a spec it cannot take);
+* ``make_plan(spec)``: this rank's plan for one input spec (peers, block shapes, buffers);
+* ``forward(x, plan)`` and ``adjoint(dy, plan)``: the two directions on local blocks.
+
+:class:`Primitive` does the rest once: plans cached per input spec (an LRU of
+``world.cache_size``), checked across the participants at their first use
+(:func:`gpudist.meta.verify`: same operator, same spec, every block right), each call
+numbered for the control plane's diagnostics, errors posted to the world
+(:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
+backward is the adjoint. A :class:`~gpudist.spec.DistTensor` in gives a DistTensor out; a
+plain local tensor in gives a plain tensor out, its spec found by one metadata exchange
+per local shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import DeviceError, ShapeError
+from ..buffers import LRU, BufferPool
+from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
+from ..meta import derive_spec, verify
+from ..partition import Partition
 from ..runtime import World
+from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
 from ..transport.base import Group
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
-    torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]
-MAX_DIM = 8
+_INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
 def zero_volume(
@@ -46,102 +60,159 @@ def is_zero_volume(x: torch.Tensor) -> bool:
     return x.numel() == 0
 
 
-def meta_device(world: World, x: torch.Tensor) -> torch.device:
-    return x.device if world.backend == "nccl" else torch.device("cpu")
+@dataclass
+class Plan:
+    """One input spec's plan: the output spec, this rank's ``local`` plan, and whether the
+    operator is the identity here (then it is skipped: no copy, no autograd node)."""
+
+    spec: TensorSpec
+    out: TensorSpec
+    local: object
+    identity: bool = False
+    fingerprint: int = 0
 
 
-def encode_meta(x: torch.Tensor, active: bool) -> list[int]:
-    """[active, dtype code, device type (0 cpu, 1 cuda), ndim, shape... padded to MAX_DIM]."""
-    if x.dim() > MAX_DIM:
-        raise DeviceError(f"tensors of more than {MAX_DIM} dimensions are not supported")
-    code = DTYPES.index(x.dtype) if x.dtype in DTYPES else -1
-    shape = list(x.shape) + [0] * (MAX_DIM - x.dim())
-    return [int(active), code, int(x.is_cuda), x.dim(), *shape]
+class Primitive(torch.nn.Module):
+    """A linear data movement F with its adjoint F* (see the module docstring)."""
 
+    name = "primitive"
 
-def decode_meta(v: Sequence[int]) -> tuple[bool, torch.dtype | None, str, tuple[int, ...]]:
-    active, code, dev, nd = v[0], v[1], v[2], v[3]
-    return bool(active), (DTYPES[code] if code >= 0 else None), ("cuda" if dev else "cpu"), \
-        tuple(int(s) for s in v[4:4 + nd])
+    def __init__(self, world: World, participants: Sequence[int], config: object) -> None:
+        super().__init__()
+        self.world = world
+        ranks = sorted(set(int(r) for r in participants))
+        self.participants = tuple(ranks)
+        g = world.transport.group(ranks) if len(ranks) > 1 else None  # world-collective
+        self.group: Group | None = g if world.rank in ranks else None
+        self.member = world.rank in ranks
+        self.config = stable_hash((self.name, config))
+        self._plans: LRU = LRU(world.cache_size)
+        self._plain: LRU = LRU(world.cache_size)
+        self.buffers = BufferPool()
 
+    # -- to implement --------------------------------------------------------------------
+    in_partition: Partition
 
-FAILED = -1  # 'active' flag of a member that rejected its input (see signal_failure)
-
-
-def gather_meta(world: World, group: Group | None, x: torch.Tensor, active: bool | int,
-                what: str = "primitive") -> list:
-    """Every member's decoded metadata, in ascending world-rank order (collective).
-
-    If some member called :func:`signal_failure` instead, every other member raises
-    :class:`ShapeError` naming it (so a bad input is an error on every rank, not a hang).
-    """
-    mine = torch.tensor(encode_meta(x, int(active)), dtype=torch.int64)
-    if group is None or group.size == 1:
-        return [decode_meta(mine.tolist())]
-    dev = meta_device(world, x)
-    out = torch.empty(group.size * mine.numel(), dtype=torch.int64, device=dev)
-    world.transport.all_gather(out, mine.to(dev), group).wait(world.timeout)
-    rows = out.cpu().view(group.size, -1).tolist()
-    failed = [r for r, row in zip(group.ranks, rows) if row[0] == FAILED]
-    if failed and active != FAILED:
-        raise ShapeError(f"{what}: rank(s) {failed} rejected their input (their error says "
-                         f"why); this rank stops too")
-    return [decode_meta(r) for r in rows]
-
-
-def signal_failure(world: World, group: Group | None, like: torch.Tensor) -> None:
-    """Take part in a metadata exchange as a member whose input was rejected: the others
-    raise instead of waiting for data (the caller then raises its own error)."""
-    gather_meta(world, group, like, FAILED)
-
-
-def check_same_kind(metas: list, ranks: Sequence[int], what: str) -> tuple[torch.dtype, str]:
-    """All members (zero-volume ones too) agree on dtype and device type, else DeviceError
-    (raised on every rank, since every rank sees every member's metadata)."""
-    kinds = {(m[1], m[2]) for m in metas}
-    if len(kinds) > 1:
-        detail = ", ".join(f"rank {r}: {m[1]} on {m[2]}" for r, m in zip(ranks, metas))
-        raise DeviceError(f"{what}: inputs disagree in dtype or device ({detail})")
-    return kinds.pop() if kinds else (torch.get_default_dtype(), "cpu")
-
-
-class Primitive:
-    """A linear data movement F with its adjoint F*."""
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
         raise NotImplementedError
 
-    def adjoint(self, dy: torch.Tensor, state: object) -> torch.Tensor:
+    def make_plan(self, spec: TensorSpec, out: TensorSpec) -> tuple[object, bool]:
+        """(this rank's local plan, whether F is the identity on every rank)."""
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return apply(self, x)
+    def forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:  # type: ignore[override]
+        raise NotImplementedError
+
+    def adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- plans -----------------------------------------------------------------------------
+    def check_input(self, spec: TensorSpec) -> None:
+        if spec.partition != self.in_partition:
+            raise raised_everywhere(ShapeError(
+                f"{self.name}: the input is distributed over partition "
+                f"{spec.partition.shape} of ranks {list(spec.partition.ranks)}, but this "
+                f"operator was built for {self.in_partition.shape} of ranks "
+                f"{list(self.in_partition.ranks)}"))
+
+    def plan(self, spec: TensorSpec, local_ok: bool = True) -> Plan:
+        """The cached plan for input ``spec``; made (and checked across the participants)
+        at its first use."""
+        p = self._plans.get(spec)
+        if p is not None:
+            self._plans.move_to_end(spec)
+            return p
+        try:
+            self.check_input(spec)
+            out = self.out_spec(spec)
+        except Exception as e:
+            planning_error(e)
+            raise
+        if self.member:
+            verify(self.group, self.name, self.config, spec, local_ok)
+            try:
+                local, identity = self.make_plan(spec, out)
+            except Exception as e:
+                planning_error(e)
+                raise
+        else:
+            local, identity = None, True
+        fp = stable_hash((self.config, spec.fingerprint))
+        return self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
+
+    def spec_of(self, x: torch.Tensor) -> TensorSpec:
+        """The spec of a plain local block: a metadata exchange once per local shape, or at
+        every call where some participant holds no input block to tell a change by."""
+        if not set(self.participants) <= set(self.in_partition.ranks):
+            return self.derive(x)
+        key = (tuple(x.shape), x.dtype, x.device.type)
+        sp = self._plain.get(key)
+        if sp is None:
+            sp = self.derive(x)
+            self._plain.get_or_make(key, lambda: sp)
+        return sp
+
+    def derive(self, x: torch.Tensor) -> TensorSpec:
+        return derive_spec(self.in_partition, x, self.name, self.group)
+
+    # -- calling -----------------------------------------------------------------------------
+    def __call__(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
+        """Apply F; autograd's backward applies F*."""
+        with self.world.control.scope(self.name):
+            dist_in = isinstance(x, DistTensor)
+            local = x.local if dist_in else x
+            if local.requires_grad and local.dtype in _INT:
+                raise raised_everywhere(DeviceError(
+                    f"{self.name}: an integer tensor ({local.dtype}) cannot require grad"))
+            if not self.member and not dist_in:
+                return local
+            spec = x.spec if dist_in else self.spec_of(local)
+            local = spec.adopt(local)
+            ok = spec.matches(local)
+            plan = self.plan(spec, ok)
+            if not ok:
+                spec.check_local(local, self.name)
+            y = self.apply(local, plan)
+            return DistTensor(y, plan.out, check=False) if dist_in and plan.out else y
+
+    def apply(self, local: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Run F on this rank's block with a plan from :meth:`plan` (no checks)."""
+        if not self.member:  # nothing here; stay in the graph if the input is
+            z = zero_volume((plan.out or plan.spec).ndim, like=local)
+            return z + local.sum() * 0 if local.requires_grad else z
+        if plan.identity:
+            return local
+        return _LinearOp.apply(self, plan, local)
+
+    def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        with self.world.control.op(self.participants, f"{self.name} forward",
+                                   plan.fingerprint):
+            return self.forward(x, plan)
+
+    def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
+        with self.world.control.scope(f"{self.name} adjoint"), \
+                self.world.control.op(self.participants, f"{self.name} adjoint",
+                                      plan.fingerprint + 1):
+            return self.adjoint(dy, plan)
+
+    def extra_repr(self) -> str:
+        return f"participants={list(self.participants)}"
 
 
 class _LinearOp(torch.autograd.Function):
+    """The autograd bridge of every primitive: forward F, backward F*."""
+
     @staticmethod
-    def forward(ctx, op: Primitive, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        y, state = op.forward(x.detach())
-        ctx.op, ctx.state = op, state
-        return y
+    def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor):  # type: ignore[override]
+        ctx.op, ctx.plan = op, plan
+        return op.run_forward(x, plan)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        return None, ctx.op.adjoint(dy.contiguous(), ctx.state)
+        return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan)
 
 
-def apply(op: Primitive, x: torch.Tensor) -> torch.Tensor:
-    """Run ``op`` on ``x`` so that autograd's backward applies ``op``'s adjoint."""
-    if x.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool) \
-            and x.requires_grad:
-        raise DeviceError(f"integer tensor of dtype {x.dtype} cannot require grad")
-    return _LinearOp.apply(op, x)
-
-
-class PrimitiveModule(torch.nn.Module):
-    """``nn.Module`` face of a primitive (like torch.nn over torch.nn.functional)."""
-
-    op: Primitive
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply(self.op, x)
+def opaque_spec(P: Partition, x: torch.Tensor, what: str, group: Group | None) -> TensorSpec:
+    """Spec of blocks moved as opaque values: every worker holds an equal-shaped summand
+    (placements all PARTIAL), whatever the block's rank."""
+    return derive_spec(P, x, what, group, (PARTIAL,) * P.dim)

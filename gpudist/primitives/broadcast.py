@@ -3,8 +3,12 @@
 Partition broadcasting rule (source to destination, like NumPy): in every dimension the
 source extent equals the destination extent or is 1; a source worker's block is copied to
 every destination worker whose coordinates match it where the source extent is not 1.
-SumReduce is the same map read backwards: the blocks of all matching source workers are
-summed into one destination worker.
+The output is *replicated* along the broadcast dimensions. SumReduce is the same map read
+backwards: the blocks of all matching source workers (partial sums, or copies) are summed
+into one destination worker.
+
+Both run over *fans*: one 'one' worker and the 'many' workers it serves, each fan with its
+own communicator; a rank may be the 'one' of a fan and a 'many' of another.
 """
 
 from __future__ import annotations
@@ -13,17 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PartitionError, ShapeError
+from ..errors import PartitionError, ShapeError, raised_everywhere
+from ..meta import derive_spec
 from ..partition import Partition
-from ..transport.base import Group, wait_all
-from .base import (
-    Primitive,
-    PrimitiveModule,
-    check_same_kind,
-    gather_meta,
-    signal_failure,
-    zero_volume,
-)
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from ..transport.base import Group
+from .base import Plan, Primitive, opaque_spec, zero_volume
 
 
 @dataclass
@@ -36,20 +35,18 @@ class _Fan:
 
 
 class FanPlan:
-    """Who talks to whom for a broadcast from ``P_one`` to ``P_many`` (or reduce back)."""
+    """Who talks to whom for a broadcast from ``P_one`` to ``P_many`` (or a reduce back)."""
 
     def __init__(self, P_one: Partition, P_many: Partition, what: str) -> None:
         if P_one.dim != P_many.dim:
-            raise PartitionError(
+            raise raised_everywhere(PartitionError(
                 f"{what}: partitions have {P_one.dim} and {P_many.dim} dimensions; "
-                f"shapes {P_one.shape} and {P_many.shape}"
-            )
+                f"shapes {P_one.shape} and {P_many.shape}"))
         for d, (a, b) in enumerate(zip(P_one.shape, P_many.shape)):
             if a != b and a != 1:
-                raise PartitionError(
+                raise raised_everywhere(PartitionError(
                     f"{what}: partition shapes {P_one.shape} and {P_many.shape} do not "
-                    f"broadcast (dimension {d}: {a} vs {b})"
-                )
+                    f"broadcast (dimension {d}: {a} vs {b})"))
         self.world = P_one.world
         me = self.world.rank
         fans: dict[int, list[int]] = {r: [] for r in P_one.ranks}
@@ -75,164 +72,180 @@ class FanPlan:
             if me in many:
                 self.mine_many = f
         self.P_one, self.P_many = P_one, P_many
-        ranks = sorted(set(P_one.ranks) | set(P_many.ranks))
-        self._meta = self.world.transport.group(ranks) if len(ranks) > 1 else None
-        if me not in ranks:
-            self._meta = None
+        # Two fans can share a communicator (same member set, different roots, e.g. two
+        # ranks swapping blocks); every rank posts their collectives in one global order.
+        self.one_first = (self.mine_one is None or self.mine_many is None
+                          or self.fans.index(self.mine_one) <= self.fans.index(self.mine_many))
+        self.identity = all(f.many == (f.one,) for f in self.fans)
 
-    def meta_group(self) -> Group | None:
-        return self._meta
-
-    # -- the two directions ---------------------------------------------------
-    def _first_as_one(self) -> bool:
-        """Whether this rank's 'one' fan comes before its 'many' fan in ``self.fans``.
-
-        Two fans can share a communicator (same member set, different roots, e.g. two ranks
-        swapping blocks); every rank must post their collectives in the same order.
-        """
-        if self.mine_one is None or self.mine_many is None:
-            return True
-        return self.fans.index(self.mine_one) <= self.fans.index(self.mine_many)
-
-    def broadcast(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """'one' workers send ``x``; 'many' workers return a copy of their 'one''s block."""
+    def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
+        """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
         me, tr = self.world.rank, self.world.transport
-        works, out = [], None
+        works = []
 
         def send() -> None:
             if self.mine_one is not None and self.mine_one.group is not None:
                 works.append(tr.broadcast(x, me, self.mine_one.group))
 
         def receive() -> None:
-            nonlocal out
-            if self.mine_many is not None:
-                f = self.mine_many
-                if f.one == me:
-                    out = x
-                else:
-                    out = torch.empty(shape, dtype=x.dtype, device=x.device)
-                    works.append(tr.broadcast(out, f.one, f.group))
+            f = self.mine_many
+            if f is not None and f.one != me:
+                works.append(tr.broadcast(out, f.one, f.group))
 
-        for step in ((send, receive) if self._first_as_one() else (receive, send)):
+        for step in ((send, receive) if self.one_first else (receive, send)):
             step()
-        wait_all(works, self.world.timeout)
-        return out if out is not None else zero_volume(x.dim(), like=x)
+        tr.wait(works)
+        if self.mine_many is not None and self.mine_many.one == me:
+            return x
+        return out
 
-    def reduce(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """'many' workers send ``x``; each 'one' worker returns the sum of its fan's blocks."""
+    def reduce(self, x: torch.Tensor, out: torch.Tensor | None, scratch: torch.Tensor | None
+               ) -> torch.Tensor | None:
+        """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``."""
         me, tr = self.world.rank, self.world.transport
-        works, out = [], None
+        works = []
 
         def send() -> None:
             f = self.mine_many
             if f is not None and f.one != me and f.group is not None:
-                buf = x.clone()  # the backend may use it as scratch
-                works.append(tr.reduce(buf, f.one, f.group))
+                scratch.copy_(x)  # the backend may use it as scratch
+                works.append(tr.reduce(scratch, f.one, f.group))
 
         def receive() -> None:
-            nonlocal out
             f = self.mine_one
             if f is not None:
-                out = x.clone() if me in f.many else torch.zeros(shape, dtype=x.dtype,
-                                                                  device=x.device)
+                if me in f.many:
+                    out.copy_(x)
+                else:
+                    out.zero_()
                 if f.group is not None:
                     works.append(tr.reduce(out, me, f.group))
 
-        for step in ((receive, send) if self._first_as_one() else (send, receive)):
+        for step in ((receive, send) if self.one_first else (send, receive)):
             step()
-        wait_all(works, self.world.timeout)
-        return out if out is not None else zero_volume(x.dim(), like=x)
+        tr.wait(works)
+        return out
 
 
-def _shared_shape(plan: FanPlan, x: torch.Tensor, sender_active: bool, what: str,
-                  static: tuple[int, ...] | None) -> dict[int, tuple[int, ...]]:
-    """Block shape of every sending rank (metadata exchange unless ``static`` is given)."""
-    if static is not None:
-        return {}
-    g = plan.meta_group()
-    metas = gather_meta(plan.world, g, x, sender_active, what)
-    ranks = g.ranks if g is not None else (plan.world.rank,)
-    check_same_kind(metas, ranks, what)
-    return {r: m[3] for r, m in zip(ranks, metas) if m[0]}
+def _transposed(spec: TensorSpec) -> TensorSpec:
+    return TensorSpec(spec.partition.transpose(), spec.global_shape, spec.dtype,
+                      spec.device_type, spec.placements[::-1])
 
 
-class BroadcastOp(Primitive):
-    """F: copy each source block to its destination workers. F*: SumReduce back."""
+class _FanPrimitive(Primitive):
+    """Broadcast and SumReduce: blocks of ``P_src`` moved over the fans between ``P_one``
+    (the side with extent-1 dims) and ``P_many``."""
 
-    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_src: bool = False,
-                 shape: tuple[int, ...] | None = None) -> None:
-        if transpose_src:
-            P_src = P_src.transpose()
-        self.plan = FanPlan(P_src, P_dst, "Broadcast")
-        self.shape = None if shape is None else tuple(shape)
+    def __init__(self, P_src: Partition, P_dst: Partition, transposed: bool) -> None:
+        self.P_src, self.P_dst = P_src, P_dst
+        super().__init__(P_src.world, set(P_src.ranks) | set(P_dst.ranks),
+                         (P_src.key, P_dst.key, transposed))
+        self.in_partition = P_src
 
-    def forward(self, x):
-        p = self.plan
-        shapes = _shared_shape(p, x, p.mine_one is not None, "Broadcast", self.shape)
-        src = p.mine_many.one if p.mine_many is not None else None
-        shape = self.shape or (shapes.get(src) if src is not None else None) or tuple(x.shape)
-        x = x.contiguous()
-        y = p.broadcast(x, shape)
-        return y, (tuple(x.shape), x.dtype)
+    def make_plan(self, spec, out):
+        return None, self.fans.identity
 
-    def adjoint(self, dy, state):
-        shape, dtype = state
-        return self.plan.reduce(dy, shape)
+    def spread(self, x: torch.Tensor, many: TensorSpec, name: str) -> torch.Tensor:
+        """Each 'one' worker's block to its 'many' workers (who receive into a pooled
+        buffer shaped by ``many``)."""
+        f = self.fans
+        out = None
+        if f.mine_many is not None and f.mine_many.one != self.world.rank:
+            out = self.buffers.get(name, many.local_shape, x.dtype, x.device)
+        y = f.broadcast(x.contiguous(), out)
+        return y if y is not None else zero_volume(many.ndim, like=x)
 
-    def abort(self, like: torch.Tensor) -> None:
-        """Instead of ``forward`` on a rank whose input was rejected: the other ranks raise
-        (only where the op exchanges metadata, i.e. without a ``shape`` hint)."""
-        if self.shape is None:
-            signal_failure(self.plan.world, self.plan.meta_group(), like)
-
-
-class SumReduceOp(Primitive):
-    """F: sum the matching source blocks into each destination worker. F*: Broadcast back."""
-
-    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_dst: bool = False,
-                 shape: tuple[int, ...] | None = None) -> None:
-        if transpose_dst:
-            P_dst = P_dst.transpose()
-        self.plan = FanPlan(P_dst, P_src, "SumReduce")
-        self.shape = None if shape is None else tuple(shape)
-
-    def forward(self, x):
-        p = self.plan
-        shapes = _shared_shape(p, x, p.mine_many is not None, "SumReduce", self.shape)
-        if p.mine_one is not None and self.shape is None:
-            fan = set(p.mine_one.many)
-            got = {s for r, s in shapes.items() if r in fan}
-            if len(got) > 1:
-                raise ShapeError(f"SumReduce: blocks summed into rank {p.mine_one.one} have "
-                                 f"different shapes {sorted(got)}")
-        shape = self.shape
-        if shape is None and p.mine_one is not None:
-            shape = shapes.get(p.mine_one.many[0], tuple(x.shape))
-        y = p.reduce(x.contiguous(), shape or tuple(x.shape))
-        return y, tuple(x.shape)
-
-    def adjoint(self, dy, state):
-        y = self.plan.broadcast(dy.contiguous(), state)
-        return y.clone() if y.data_ptr() == dy.data_ptr() and y.numel() else y
+    def sum_in(self, x: torch.Tensor, one: TensorSpec, many: TensorSpec, name: str
+               ) -> torch.Tensor:
+        """The sum of each fan's 'many' blocks on its 'one' worker (``one`` shapes it)."""
+        f = self.fans
+        out = scratch = None
+        if f.mine_one is not None:
+            out = self.buffers.get(name, one.local_shape, x.dtype, x.device)
+        if f.mine_many is not None and f.mine_many.one != self.world.rank:
+            scratch = self.buffers.get(name + "-scratch", many.local_shape, x.dtype, x.device)
+        y = f.reduce(x.contiguous(), out, scratch)
+        return y if y is not None else zero_volume(one.ndim, like=x)
 
 
-class Broadcast(PrimitiveModule):
-    """Copy blocks from ``P_src`` to ``P_dst`` (partition broadcasting rule); adjoint SumReduce.
+class Broadcast(_FanPrimitive):
+    """F: copy each source block to its destination workers (replicated along the
+    broadcast dimensions). F*: SumReduce back.
 
-    ``shape`` fixes the block shape (skips the per-call metadata exchange);
     ``transpose_src`` reads ``P_src``'s grid transposed (used by the affine layer).
     """
 
-    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_src: bool = False,
-                 shape: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        self.op = BroadcastOp(P_src, P_dst, transpose_src=transpose_src, shape=shape)
+    name = "Broadcast"
+
+    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_src: bool = False
+                 ) -> None:
+        super().__init__(P_src, P_dst, transpose_src)
+        self.transpose_src = transpose_src
+        view = P_src.transpose() if transpose_src else P_src
+        self.fans = FanPlan(view, P_dst, "Broadcast")
+
+    def derive(self, x):
+        if x.dim() != self.P_src.dim:
+            return opaque_spec(self.P_src, x, self.name, self.group)
+        return super().derive(x)
+
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        view = _transposed(spec) if self.transpose_src else spec
+        pl = tuple(p if a == b else REPLICATE for p, a, b in
+                   zip(view.placements, view.partition.shape, self.P_dst.shape))
+        return TensorSpec(self.P_dst, spec.global_shape, spec.dtype, spec.device_type, pl)
+
+    def forward(self, x, plan: Plan):
+        return self.spread(x, plan.out, "out")
+
+    def adjoint(self, dy, plan: Plan):
+        return self.sum_in(dy, plan.spec, plan.out, "adjoint")
 
 
-class SumReduce(PrimitiveModule):
-    """Sum blocks of ``P_src`` into ``P_dst`` (reverse broadcasting rule); adjoint Broadcast."""
+class SumReduce(_FanPrimitive):
+    """F: sum the matching source blocks into each destination worker. F*: Broadcast back.
 
-    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_dst: bool = False,
-                 shape: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        self.op = SumReduceOp(P_src, P_dst, transpose_dst=transpose_dst, shape=shape)
+    ``transpose_dst`` writes into ``P_dst``'s grid read transposed (the affine layer).
+    Along the summed dimensions the input must be PARTIAL or REPLICATE (blocks of equal
+    shape); the output is whole there.
+    """
+
+    name = "SumReduce"
+
+    def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_dst: bool = False
+                 ) -> None:
+        super().__init__(P_src, P_dst, transpose_dst)
+        self.transpose_dst = transpose_dst
+        self.view = P_dst.transpose() if transpose_dst else P_dst
+        self.fans = FanPlan(self.view, P_src, "SumReduce")
+
+    def derive(self, x):
+        if x.dim() != self.P_src.dim:
+            return opaque_spec(self.P_src, x, self.name, self.group)
+        # the summed dimensions hold summands; the others split the tensor as usual
+        pl = [PARTIAL if a != b else i for i, (a, b) in
+              enumerate(zip(self.P_src.shape, self.view.shape))]
+        return derive_spec(self.P_src, x, self.name, self.group, pl)
+
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        pl = []
+        for i, (p, a, b) in enumerate(zip(spec.placements, spec.partition.shape,
+                                          self.view.shape)):
+            if a == b:
+                pl.append(p)
+            elif p in (PARTIAL, REPLICATE):
+                pl.append(REPLICATE)
+            else:
+                raise raised_everywhere(ShapeError(
+                    f"SumReduce: partition dimension {i} is summed ({a} -> {b} workers) but "
+                    f"the tensor is split along it (placement S({p})): blocks of different "
+                    f"parts cannot be added"))
+        view = TensorSpec(self.view, spec.global_shape, spec.dtype, spec.device_type,
+                          tuple(pl))
+        return _transposed(view) if self.transpose_dst else view
+
+    def forward(self, x, plan: Plan):
+        return self.sum_in(x, plan.out, plan.spec, "out")
+
+    def adjoint(self, dy, plan: Plan):
+        return self.spread(dy, plan.spec, "adjoint")

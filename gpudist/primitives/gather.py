@@ -1,121 +1,151 @@
 """AllGather and ReduceScatter along one partition axis: each other's adjoint.
 
-Blocks may be uneven along the gathered tensor dimension; they are padded to the largest
-block for the collective and trimmed after.
+Even blocks along a leading tensor dimension go straight between the caller's tensor and
+the backend (``all_gather`` into the output, ``reduce_scatter`` out of the input: no extra
+copy). Otherwise (uneven blocks, padded to the largest; blocks of an inner dimension;
+group order differing from partition order) the blocks pass through one staging buffer
+the plan keeps.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..errors import ShapeError
+from ..decomposition import block_range
+from ..errors import ShapeError, raised_everywhere
+from ..meta import derive_spec
 from ..partition import Partition
-from .base import Primitive, PrimitiveModule, gather_meta
+from ..spec import PARTIAL, REPLICATE, TensorSpec
+from .base import Plan, Primitive
 
 
-class _Along:
-    """The workers along partition ``axis`` through this rank, in partition order."""
+class _Along(Primitive):
+    """What AllGather and ReduceScatter share: the fiber along ``axis`` and its layout."""
 
     def __init__(self, P: Partition, axis: int, dim: int) -> None:
         self.P, self.axis, self.dim = P, axis % P.dim, dim
-        self.sub = P.sub([self.axis])
-        self.group = self.sub.group
-        if self.sub.active:
-            # slot j of the (ascending-rank) group holds partition position order[j]
-            self.order = [self.sub.ranks.index(r) for r in sorted(self.sub.ranks)]
+        super().__init__(P.world, P.ranks, (P.key, self.axis, dim))
+        self.sub = P.sub([self.axis])  # world-collective
+        self.in_partition = P
+        # slot j of the (ascending-rank) group holds partition position order[j]
+        self.order = ([self.sub.ranks.index(r) for r in sorted(self.sub.ranks)]
+                      if self.sub.active else [])
 
-    def sizes(self, x: torch.Tensor) -> list[int]:
-        """Block sizes along ``dim`` in partition order (checks other dims agree)."""
-        metas = gather_meta(self.P.world, self.group, x, True)
-        shapes = [None] * len(metas)
-        for j, m in enumerate(metas):
-            shapes[self.order[j]] = m[3]
-        others = {tuple(s[:self.dim] + s[self.dim + 1:]) for s in shapes}
-        if len(others) > 1:
-            raise ShapeError(f"AllGather along axis {self.axis}: blocks differ outside "
-                             f"dimension {self.dim}: {shapes}")
-        return [s[self.dim] for s in shapes]
+    def layout(self, full: TensorSpec) -> dict:
+        """Block sizes along ``dim`` (partition order) for the tensor ``full`` (whole along
+        ``dim``), and whether the fast path applies."""
+        n, d = self.P.shape[self.axis], self.dim
+        sizes = [block_range(full.global_shape[d], n, i)[1] - block_range(
+            full.global_shape[d], n, i)[0] for i in range(n)]
+        shape = full.local_shape
+        direct = (len(set(sizes)) == 1 and math.prod(shape[:d]) == 1
+                  and self.order == sorted(self.order))
+        me = self.sub.index if self.sub.active else 0
+        return {"sizes": sizes, "direct": direct, "me": me, "full": shape}
 
-    def exchange(self, x: torch.Tensor, sizes: list[int], reduce: bool) -> torch.Tensor:
-        """Gather (``reduce=False``) or reduce-scatter the padded blocks."""
-        n, d, m = len(sizes), self.dim, max(sizes)
-        tr, me = self.P.world.transport, self.sub.rank
-        if not reduce:
-            pad = [0, 0] * (x.dim() - d - 1) + [0, m - x.shape[d]]
-            xp = torch.nn.functional.pad(x, pad).movedim(d, 0).contiguous()
-            out = torch.empty((n,) + tuple(xp.shape), dtype=x.dtype, device=x.device)
-            tr.all_gather(out.view(-1), xp.view(-1), self.group).wait(self.P.world.timeout)
-            blocks = [out[j][: sizes[self.order[j]]] for j in range(n)]
-            ordered = [None] * n
-            for j, b in enumerate(blocks):
-                ordered[self.order[j]] = b
-            return torch.cat(ordered, 0).movedim(0, d).contiguous()
-        # reduce-scatter as all-reduce + slice (transport has no reduce_scatter primitive)
-        y = x.contiguous().clone()
-        tr.all_reduce(y, self.group).wait(self.P.world.timeout)
-        lo = sum(sizes[:me])
-        return y.narrow(d, lo, sizes[me]).contiguous()
+    def gather(self, x: torch.Tensor, lay: dict, name: str) -> torch.Tensor:
+        """Concatenate the fiber's blocks along ``dim`` (``x`` is this worker's block)."""
+        tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
+        out = self.buffers.get(name, lay["full"], x.dtype, x.device)
+        if lay["direct"]:
+            tr.wait([tr.all_gather(out.view(-1), x.contiguous().view(-1), self.sub.group)])
+            return out
+        m = max(lay["sizes"])
+        blk = list(x.shape)
+        blk[d] = m
+        stage = self.buffers.get(name + "-stage", [n] + blk, x.dtype, x.device)
+        mine = self.buffers.get(name + "-mine", blk, x.dtype, x.device)
+        mine.narrow(d, 0, x.shape[d]).copy_(x)
+        tr.wait([tr.all_gather(stage.view(-1), mine.view(-1), self.sub.group)])
+        at = 0
+        starts = [sum(lay["sizes"][:i]) for i in range(n)]
+        for j in range(n):
+            i = self.order[j]
+            k = lay["sizes"][i]
+            out.narrow(d, starts[i], k).copy_(stage[j].narrow(d, 0, k))
+            at += k
+        return out
+
+    def scatter(self, x: torch.Tensor, lay: dict, name: str) -> torch.Tensor:
+        """Sum ``x`` (whole along ``dim``) over the fiber and keep this worker's block."""
+        tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
+        sizes, me = lay["sizes"], lay["me"]
+        blk = list(x.shape)
+        blk[d] = sizes[me]
+        if lay["direct"]:
+            out = self.buffers.get(name, blk, x.dtype, x.device)
+            tr.wait([tr.reduce_scatter(out.view(-1), x.contiguous().view(-1), self.sub.group)])
+            return out
+        m = max(sizes)
+        pad = list(x.shape)
+        pad[d] = m
+        stage = self.buffers.get(name + "-stage", [n] + pad, x.dtype, x.device)
+        starts = [sum(sizes[:i]) for i in range(n)]
+        for j in range(n):
+            i = self.order[j]
+            stage[j].narrow(d, 0, sizes[i]).copy_(x.narrow(d, starts[i], sizes[i]))
+            if sizes[i] < m:
+                stage[j].narrow(d, sizes[i], m - sizes[i]).zero_()
+        mine = self.buffers.get(name + "-mine", pad, x.dtype, x.device)
+        tr.wait([tr.reduce_scatter(mine.view(-1), stage.view(-1), self.sub.group)])
+        out = self.buffers.get(name, blk, x.dtype, x.device)
+        out.copy_(mine.narrow(d, 0, sizes[me]))
+        return out
 
 
-class AllGatherOp(Primitive):
+class AllGather(_Along):
     """F: concatenate the blocks along partition ``axis`` (tensor dim ``dim``) on every
     worker of that axis. F*: ReduceScatter."""
 
-    def __init__(self, P: Partition, axis: int, dim: int) -> None:
-        self.along = _Along(P, axis, dim)
+    name = "AllGather"
 
-    def forward(self, x):
-        a = self.along
-        if not a.sub.active:
-            return x, None
-        if a.group is None:
-            return x, [x.shape[a.dim]]
-        sizes = a.sizes(x)
-        return a.exchange(x.contiguous(), sizes, reduce=False), sizes
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        p = spec.placements[self.axis]
+        if p not in (self.dim, REPLICATE) or (p == REPLICATE and self.P.shape[self.axis] > 1):
+            raise raised_everywhere(ShapeError(
+                f"AllGather along partition axis {self.axis}: the tensor must be split "
+                f"along tensor dim {self.dim} there (placements {spec.placements})"))
+        pl = list(spec.placements)
+        pl[self.axis] = REPLICATE
+        return spec.replace(placements=tuple(pl))
 
-    def adjoint(self, dy, sizes):
-        a = self.along
-        if not a.sub.active or a.group is None:
-            return dy
-        return a.exchange(dy, sizes, reduce=True)
+    def make_plan(self, spec, out):
+        return self.layout(out), self.sub.group is None
+
+    def forward(self, x, plan: Plan):
+        return self.gather(x, plan.local, "out")
+
+    def adjoint(self, dy, plan: Plan):
+        return self.scatter(dy, plan.local, "adjoint")
 
 
-class ReduceScatterOp(Primitive):
+class ReduceScatter(_Along):
     """F: sum the (equal-shaped) tensors along partition ``axis`` and keep this worker's
     block of tensor dim ``dim``. F*: AllGather."""
 
-    def __init__(self, P: Partition, axis: int, dim: int) -> None:
-        self.along = _Along(P, axis, dim)
+    name = "ReduceScatter"
 
-    def forward(self, x):
-        a = self.along
-        if not a.sub.active:
-            return x, None
-        n = a.sub.size
-        q, r = divmod(x.shape[a.dim], n)
-        sizes = [q + (1 if i < r else 0) for i in range(n)]
-        if a.group is None:
-            return x, sizes
-        return a.exchange(x, sizes, reduce=True), sizes
+    def derive(self, x):
+        pl = [PARTIAL if i == self.axis else i for i in range(self.P.dim)]
+        return derive_spec(self.P, x, self.name, self.group, pl)
 
-    def adjoint(self, dy, sizes):
-        a = self.along
-        if not a.sub.active or a.group is None:
-            return dy
-        return a.exchange(dy.contiguous(), sizes, reduce=False)
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        pl = list(spec.placements)
+        if pl[self.axis] >= 0 or self.dim in pl:
+            raise raised_everywhere(ShapeError(
+                f"ReduceScatter along partition axis {self.axis} into tensor dim {self.dim}: "
+                f"the input must hold summands or copies along that axis and be whole along "
+                f"dim {self.dim} (placements {spec.placements})"))
+        pl[self.axis] = self.dim
+        return spec.replace(placements=tuple(pl))
 
+    def make_plan(self, spec, out):
+        return self.layout(spec), self.sub.group is None
 
-class AllGather(PrimitiveModule):
-    """Gather blocks along partition ``axis`` into tensor dim ``dim``; adjoint ReduceScatter."""
+    def forward(self, x, plan: Plan):
+        return self.scatter(x, plan.local, "out")
 
-    def __init__(self, P: Partition, axis: int, dim: int) -> None:
-        super().__init__()
-        self.op = AllGatherOp(P, axis, dim)
-
-
-class ReduceScatter(PrimitiveModule):
-    """Sum along partition ``axis``, scatter tensor dim ``dim``; adjoint AllGather."""
-
-    def __init__(self, P: Partition, axis: int, dim: int) -> None:
-        super().__init__()
-        self.op = ReduceScatterOp(P, axis, dim)
+    def adjoint(self, dy, plan: Plan):
+        return self.gather(dy, plan.local, "adjoint")

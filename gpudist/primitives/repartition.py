@@ -3,178 +3,189 @@ all-to-all). Scatter from one worker (:func:`distribute`) and gather to one work
 (:func:`collect`) are special cases; send/receive between two workers is the smallest.
 
 F: every output worker's block is assembled from the overlapping input blocks.
-F*: the reverse repartition (it is a permutation of entries, so F* = F^-1).
+F*: the reverse repartition (a permutation of entries, so F* = F^-1).
+
+One all-to-all(v) over the union of both partitions moves everything. A worker's outgoing
+boxes that lie back to back in its block (in peer order) are sent straight from it, and
+incoming boxes that lie back to back in its output block are received straight into it;
+otherwise they are packed/unpacked with one kernel call (:mod:`gpudist.kernels`) through a
+staging buffer the plan keeps.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
-from ..decomposition import Decomposition
-from ..errors import PartitionError, ShapeError
+from ..errors import PartitionError, ShapeError, raised_everywhere
+from ..kernels import get_packer
+from ..kernels.regions import collapse
 from ..partition import Partition
-from ..transport.base import P2P, wait_all
-from .base import Primitive, PrimitiveModule, check_same_kind, gather_meta, zero_volume
+from ..spec import DistTensor, TensorSpec
+from .base import Plan, Primitive, zero_volume
 
-_TAG = 7
+Box = tuple[tuple[int, int], ...]
 
 
-def _boxes(d_from: Decomposition, d_to: Decomposition, P_to: Partition, coords):
-    """(peer world rank, my local slices, peer's block shape) for each overlap of my block."""
-    mine = d_from.global_slices(coords)
-    start = d_from.local_start(coords)
-    out = []
-    for o in d_to.overlaps(mine):
-        local = tuple(slice(g.start - s, g.stop - s) for g, s in zip(o.glob, start))
-        out.append((P_to.world_rank_of(o.coords), local, o.shape))
+@dataclass
+class _Side:
+    """One direction's boxes of this worker, one per peer slot of the group."""
+
+    boxes: list[Box | None]
+    counts: list[int]
+    run: int | None  # flat offset where the boxes lie back to back (None: pack)
+    shape: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _side(shape: tuple[int, ...], boxes: list[Box | None]) -> _Side:
+    counts = [math.prod(b - a for a, b in box) if box else 0 for box in boxes]
+    st, at, run = _strides(shape), None, None
+    ok = True
+    for box, k in zip(boxes, counts):
+        if not k:
+            continue
+        base, sizes, strides = collapse(box, st)
+        if not ((len(sizes) == 1 and strides == [1]) or k == 1):
+            ok = False
+            break
+        if at is None:
+            run = at = base
+        elif base != at:
+            ok = False
+            break
+        at += k
+    return _Side(boxes, counts, run if ok else None, shape)
+
+
+def _overlaps(spec_a: TensorSpec, spec_b: TensorSpec, slots: Sequence[int]) -> list[Box | None]:
+    """For each peer slot (world rank), the box of my block under ``spec_a`` that the
+    peer's block under ``spec_b`` covers, in my local coordinates."""
+    Pa, Pb = spec_a.partition, spec_b.partition
+    out: list[Box | None] = []
+    if not Pa.active:
+        return [None] * len(slots)
+    s0 = spec_a.local_start
+    s1 = [a + n for a, n in zip(s0, spec_a.local_shape)]
+    for r in slots:
+        if r not in Pb.ranks:
+            out.append(None)
+            continue
+        c = Pb.coords_of(Pb.ranks.index(r))
+        t0 = spec_b.local_start_of(c)
+        t1 = [a + n for a, n in zip(t0, spec_b.local_shape_of(c))]
+        box = tuple((max(a, b) - a0, min(e, f) - a0) for a, b, e, f, a0 in
+                    zip(s0, t0, s1, t1, s0))
+        out.append(box if all(hi > lo for lo, hi in box) else None)
     return out
 
 
-class RepartitionOp(Primitive):
-    """F: blocks of ``P_in`` -> blocks of ``P_out`` of the same global tensor. F*: reverse."""
-
-    def __init__(self, P_in: Partition, P_out: Partition,
-                 global_shape: tuple[int, ...] | None = None) -> None:
-        if P_in.dim != P_out.dim:
-            raise PartitionError(
-                f"Repartition: partitions have {P_in.dim} and {P_out.dim} dimensions "
-                f"(shapes {P_in.shape} and {P_out.shape})"
-            )
-        self.P_in, self.P_out, self.world = P_in, P_out, P_in.world
-        self.identity = P_in.same_as(P_out)
-        self.global_shape = None if global_shape is None else tuple(global_shape)
-        ranks = sorted(set(P_in.ranks) | set(P_out.ranks))
-        self.member = self.world.rank in ranks
-        self.group = self.world.transport.group(ranks) if len(ranks) > 1 else None
-        if not self.member:
-            self.group = None
-        self._ranks = ranks
-
-    # -- shape bookkeeping -----------------------------------------------------
-    def _global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        """Global shape from every input block (checked against the decomposition)."""
-        if self.global_shape is not None:
-            g = self.global_shape
-            if self.P_in.active:
-                self._check(x, g)
-            return g
-        metas = gather_meta(self.world, self.group, x, self.P_in.active)
-        ranks = self.group.ranks if self.group is not None else (self.world.rank,)
-        check_same_kind(metas, ranks, "Repartition")
-        by_rank = {r: m[3] for r, m in zip(ranks, metas) if m[0]}
-        dims = {len(s) for s in by_rank.values()}
-        if dims != {self.P_in.dim}:
-            raise ShapeError(
-                f"Repartition: input tensors have {sorted(dims)} dimensions but the partition "
-                f"{self.P_in.shape} has {self.P_in.dim}"
-            )
-        g = []
-        for d in range(self.P_in.dim):
-            tot = 0
-            for c in range(self.P_in.shape[d]):
-                coords = [0] * self.P_in.dim
-                coords[d] = c
-                tot += by_rank[self.P_in.world_rank_of(coords)][d]
-            g.append(tot)
-        g = tuple(g)
-        dec = Decomposition(g, self.P_in.shape)
-        for r, s in by_rank.items():
-            want = dec.local_shape(self.P_in.coords_of(self.P_in.ranks.index(r)))
-            if tuple(s) != want:
-                bad = next(d for d in range(len(s)) if s[d] != want[d])
-                raise ShapeError(
-                    f"Repartition: rank {r} holds a block of shape {tuple(s)} but the "
-                    f"decomposition of global shape {g} over {self.P_in.shape} gives it "
-                    f"{want} (dimension {bad})"
-                )
-        return g
-
-    def _check(self, x, g):
-        want = Decomposition(g, self.P_in.shape).local_shape(self.P_in.coords)
-        if tuple(x.shape) != want:
-            raise ShapeError(f"Repartition: rank {self.world.rank} holds shape "
-                             f"{tuple(x.shape)}, expected {want} of global {g}")
-
-    # -- the move ----------------------------------------------------------------
-    def _move(self, x: torch.Tensor, g, P_a: Partition, P_b: Partition, dtype, device):
-        dec_a, dec_b = Decomposition(g, P_a.shape), Decomposition(g, P_b.shape)
-        me = self.world.rank
-        ops, unpack, out = [], [], None
-        if P_b.active:
-            out = torch.empty(dec_b.local_shape(P_b.coords), dtype=dtype, device=device)
-        local_src = {}
-        if P_a.active:
-            for peer, sl, _ in _boxes(dec_a, dec_b, P_b, P_a.coords):
-                if peer == me:
-                    local_src = {"sl": sl}
-                    continue
-                ops.append(P2P("send", x[sl].contiguous(), peer, _TAG))
-        if P_b.active:
-            for peer, sl, shape in _boxes(dec_b, dec_a, P_a, P_b.coords):
-                if peer == me:
-                    out[sl] = x[local_src["sl"]]
-                    continue
-                buf = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(P2P("recv", buf, peer, _TAG))
-                unpack.append((sl, buf))
-        wait_all(self.world.transport.batch_p2p(ops), self.world.timeout)
-        for sl, buf in unpack:
-            out[sl] = buf
-        if out is None:
-            return zero_volume(len(g), like=x)
-        return out
-
-    def forward(self, x):
-        if self.identity:
-            return x, None
-        if not self.member:
-            return zero_volume(x.dim(), like=x), None
-        g = self._global_shape(x)
-        return self._move(x.contiguous(), g, self.P_in, self.P_out, x.dtype, x.device), g
-
-    def adjoint(self, dy, g):
-        if self.identity:
-            return dy
-        if not self.member:
-            return zero_volume(dy.dim(), like=dy)
-        return self._move(dy, g, self.P_out, self.P_in, dy.dtype, dy.device)
-
-
-class Repartition(PrimitiveModule):
+class Repartition(Primitive):
     """Move a tensor from ``P_in`` to ``P_out``; adjoint: the reverse move.
 
-    Identity (no copy) when the partitions are equal. ``global_shape`` skips the per-call
-    metadata exchange.
+    The identity (no copy) when the partitions are equal.
     """
 
-    def __init__(self, P_in: Partition, P_out: Partition,
-                 global_shape: tuple[int, ...] | None = None) -> None:
-        super().__init__()
-        self.op = RepartitionOp(P_in, P_out, global_shape)
+    name = "Repartition"
+
+    def __init__(self, P_in: Partition, P_out: Partition) -> None:
+        if P_in.dim != P_out.dim:
+            raise raised_everywhere(PartitionError(
+                f"Repartition: partitions have {P_in.dim} and {P_out.dim} dimensions "
+                f"(shapes {P_in.shape} and {P_out.shape})"))
+        self.P_in, self.P_out = P_in, P_out
+        super().__init__(P_in.world, set(P_in.ranks) | set(P_out.ranks),
+                         (P_in.key, P_out.key))
+        self.in_partition = P_in
+
+    def out_spec(self, spec: TensorSpec) -> TensorSpec:
+        if not spec.standard:
+            raise raised_everywhere(ShapeError(
+                f"Repartition moves tensors split the standard way (tensor dim i along "
+                f"partition dim i); got {spec.describe()}"))
+        return TensorSpec(self.P_out, spec.global_shape, spec.dtype, spec.device_type)
+
+    def make_plan(self, spec, out):
+        if self.P_in == self.P_out:
+            return None, True
+        slots = list(self.group.ranks) if self.group is not None else [self.world.rank]
+        fwd_send = _side(spec.local_shape, _overlaps(spec, out, slots))
+        fwd_recv = _side(out.local_shape, _overlaps(out, spec, slots))
+        return (fwd_send, fwd_recv), False
+
+    def _move(self, x: torch.Tensor, send: _Side, recv: _Side, name: str) -> torch.Tensor:
+        tr = self.world.transport
+        out = self.buffers.get(name, recv.shape, x.dtype, x.device)
+        if send.run is not None:
+            sbuf = x.contiguous().view(-1)[send.run:send.run + send.total]
+        else:
+            sbuf = self.buffers.get(name + "-send", (send.total,), x.dtype, x.device)
+            get_packer(x.device, x.dtype).pack(x, [b for b in send.boxes if b], out=sbuf)
+        if recv.run is not None:
+            rbuf = out.view(-1)[recv.run:recv.run + recv.total]
+        else:
+            rbuf = self.buffers.get(name + "-recv", (recv.total,), x.dtype, x.device)
+        if self.group is None:  # one worker: a local copy
+            rbuf.copy_(sbuf)
+        else:
+            tr.wait([tr.all_to_all(rbuf, sbuf, recv.counts, send.counts, self.group)])
+        if recv.run is None:
+            get_packer(out.device, out.dtype).unpack(rbuf, out, [b for b in recv.boxes if b])
+        return out
+
+    def forward(self, x, plan: Plan):
+        send, recv = plan.local
+        y = self._move(x, send, recv, "out")
+        return y if self.P_out.active else zero_volume(plan.out.ndim, like=x)
+
+    def adjoint(self, dy, plan: Plan):
+        send, recv = plan.local
+        dx = self._move(dy, recv, send, "adjoint")
+        return dx if self.P_in.active else zero_volume(plan.spec.ndim, like=dy)
 
 
-def distribute(x: torch.Tensor, P_root: Partition, P_out: Partition) -> torch.Tensor:
-    """Scatter a tensor held by the one worker of ``P_root`` over ``P_out``; adjoint collect."""
+def distribute(x: DistTensor | torch.Tensor, P_root: Partition, P_out: Partition,
+               global_shape: Sequence[int] | None = None) -> DistTensor | torch.Tensor:
+    """Scatter a tensor held by the one worker of ``P_root`` over ``P_out``; adjoint
+    collect. With ``global_shape`` (every rank knows it) the result is a
+    :class:`~gpudist.spec.DistTensor` and no metadata is exchanged."""
     if P_root.size != 1:
-        raise PartitionError(f"distribute: the root partition must have one worker, has "
-                             f"{P_root.size}")
-    return RepartitionOp(P_root, P_out)(x)
+        raise raised_everywhere(PartitionError(
+            f"distribute: the root partition must have one worker, has {P_root.size}"))
+    if global_shape is not None and not isinstance(x, DistTensor):
+        x = DistTensor.from_local(x, P_root, global_shape)
+    return Repartition(P_root, P_out)(x)
 
 
-def collect(x: torch.Tensor, P_in: Partition, P_root: Partition) -> torch.Tensor:
+def collect(x: DistTensor | torch.Tensor, P_in: Partition, P_root: Partition
+            ) -> DistTensor | torch.Tensor:
     """Gather a tensor distributed over ``P_in`` to the one worker of ``P_root``."""
     if P_root.size != 1:
-        raise PartitionError(f"collect: the root partition must have one worker, has "
-                             f"{P_root.size}")
-    return RepartitionOp(P_in, P_root)(x)
+        raise raised_everywhere(PartitionError(
+            f"collect: the root partition must have one worker, has {P_root.size}"))
+    return Repartition(P_in, P_root)(x)
 
 
-class SendRecv(PrimitiveModule):
+class SendRecv(Repartition):
     """Send a ``ndim``-tensor from world rank ``src`` to world rank ``dst``; adjoint: send
     the gradient back. (A repartition between two one-worker partitions.)"""
 
+    name = "SendRecv"
+
     def __init__(self, src: int, dst: int, ndim: int, world=None) -> None:
-        super().__init__()
-        P_a = Partition([src], (1,) * ndim, world)
-        P_b = Partition([dst], (1,) * ndim, world)
-        self.op = RepartitionOp(P_a, P_b)
+        super().__init__(Partition([src], (1,) * ndim, world), Partition([dst], (1,) * ndim,
+                                                                          world))

@@ -1,32 +1,40 @@
 """The transport interface: the only thing a backend implements.
 
-Primitives are written once against :class:`Transport`; a backend only moves bytes.
-All ranks are *world* ranks. A :class:`Group` is a set of world ranks with a backend
-communicator; ``Transport.group(ranks)`` is collective over the whole world (like
-``torch.distributed.new_group``) and cached, so every rank constructs the same partitions
-and primitives in the same order, and the groups they need are created once.
+Primitives are written once against :class:`Transport`; a backend only moves bytes. All
+ranks are *world* ranks. A :class:`Group` is a set of world ranks with two backend
+communicators: ``handle`` for data and ``meta`` for the small metadata exchanges of
+:mod:`gpudist.meta` (so a metadata exchange can never be matched with a data collective of
+a rank that disagrees). ``Transport.group(ranks)`` is collective over the whole world (like
+``torch.distributed.new_group``) and cached.
+
+Every call starts asynchronously and returns :class:`Work`; :meth:`Transport.wait` waits
+for a batch through the world's control plane (:class:`gpudist.control.Control`): aborts
+posted by other ranks, mismatch diagnostics and the timeout all live there, so no backend
+can hang the program on its own.
+
+Device tensors go straight to a backend that takes device pointers (NCCL, CUDA-aware MPI);
+for the others (gloo point-to-point, host-only MPI) the backend stages them through host
+buffers it keeps per shape (:class:`Staging`), allocated once and reused.
 """
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CommTimeout
-
 DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass(eq=False)
 class Group:
-    """A set of world ranks (ascending) plus the backend's handle for it."""
+    """A set of world ranks (ascending) plus the backend's handles for it."""
 
     ranks: tuple[int, ...]
     handle: object = field(repr=False, default=None)
+    meta: object = field(repr=False, default=None)
 
     @property
     def size(self) -> int:
@@ -37,42 +45,29 @@ class Group:
 
 
 class Work:
-    """A pending operation. ``wait`` raises :class:`CommTimeout` past the deadline."""
+    """A pending operation: ``done()`` polls it (driving progress where the backend needs
+    that), ``finish()`` runs once it is done (raises the backend's error, copies staged
+    data back). ``block(s)`` optionally blocks up to ``s`` seconds for progress."""
 
-    def __init__(
-        self,
-        wait_fn: Callable[[float], None],
-        what: str,
-        after: Callable[[], None] | None = None,
-    ) -> None:
-        self._wait_fn, self._what, self._after, self._done = wait_fn, what, after, False
+    __slots__ = ("what", "_done", "_finish", "block", "spin")
 
-    def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        self._wait_fn(DEFAULT_TIMEOUT_S if timeout is None else timeout)
-        self._done = True
-        if self._after is not None:
-            self._after()
+    def __init__(self, what: str, done: Callable[[], bool],
+                 finish: Callable[[], None] | None = None,
+                 block: Callable[[float], object] | None = None, spin: bool = False) -> None:
+        self.what, self._done, self._finish, self.block, self.spin = (
+            what, done, finish, block, spin)
 
-    @property
-    def what(self) -> str:
-        return self._what
+    def done(self) -> bool:
+        return self._done()
+
+    def finish(self) -> None:
+        if self._finish is not None:
+            f, self._finish = self._finish, None
+            f()
 
 
-def completed() -> Work:
-    return Work(lambda _t: None, "no-op")
-
-
-def wait_all(works: Sequence[Work], timeout: float | None = None) -> None:
-    """Wait for every work item; one shared deadline."""
-    total = DEFAULT_TIMEOUT_S if timeout is None else timeout
-    deadline = time.monotonic() + total
-    for w in works:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CommTimeout(f"{w.what} did not complete within {total:.1f}s")
-        w.wait(left)
+def completed(what: str = "no-op") -> Work:
+    return Work(what, lambda: True)
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,37 @@ class P2P:
     tag: int = 0
 
 
+class Staging:
+    """Host buffers for device tensors a backend cannot take, one per (use, shape, dtype),
+    allocated on first use (pinned when CUDA is present) and reused by every later call."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+        self.allocations = 0
+
+    def host(self, key: object, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        k = (key, tuple(shape), dtype)
+        b = self._bufs.get(k)
+        if b is None:
+            pin = torch.cuda.is_available()
+            b = torch.empty(tuple(shape), dtype=dtype, device="cpu", pin_memory=pin)
+            self._bufs[k] = b
+            self.allocations += 1
+        return b
+
+    def stage_in(self, key: object, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s data on the host (asynchronous copy on the current stream, then a sync
+        so the backend may read it)."""
+        h = self.host(key, t.shape, t.dtype)
+        h.copy_(t, non_blocking=True)
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+        return h
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
 class Transport(ABC):
     """Moves tensors between world ranks. Tensors handed in must be contiguous."""
 
@@ -92,27 +118,62 @@ class Transport(ABC):
     rank: int
     size: int
     timeout: float = DEFAULT_TIMEOUT_S
+    control = None  # set by gpudist.init: the world's Control
 
     # -- groups -------------------------------------------------------------
-    @abstractmethod
+    _groups: dict
+    world_meta: object  # the meta communicator of the whole world, made at construction
+
     def group(self, ranks: Sequence[int]) -> Group:
         """The cached group of the rank *set* ``ranks``, members in ascending order.
 
         Collective over the WORLD: every rank calls it with the same ranks in the same
-        order (non-members get a Group whose ``handle`` is None). Member order (all-gather,
-        all-to-all slots) is ascending world rank whatever order ``ranks`` was given in.
+        order (non-members get a Group whose handles are None). Before a new group is made,
+        the world checks (through a pollable metadata exchange) that every rank is making
+        the same one: a rank that builds another partition, or none, is a
+        :class:`~gpudist.errors.MismatchError` or a timeout, never a hang in the backend.
         """
+        key = tuple(sorted({int(r) for r in ranks}))
+        g = self._groups.get(key)
+        if g is None:
+            if key != tuple(range(self.size)):
+                self._agree_on(key)
+            handle, meta = self._make_group(key)
+            member = self.rank in key
+            g = Group(key, handle if member else None, meta if member else None)
+            self._groups[key] = g
+        return g
+
+    def _agree_on(self, key: tuple[int, ...]) -> None:
+        from ..errors import MismatchError, raised_everywhere
+        from ..spec import stable_hash
+
+        n = len(self._groups)
+        row = torch.tensor([n, stable_hash(key), len(key), key[0], key[-1]], dtype=torch.int64)
+        out = torch.empty(self.size * 5, dtype=torch.int64)
+        world = Group(tuple(range(self.size)), None, self.world_meta)
+        what = f"creating the communicator of ranks {list(key)}"
+        if self.control is not None:
+            with self.control.op(world.ranks, what, 0x47525550):
+                self.wait([self.meta_all_gather(out, row, world)], what)
+        else:
+            self.wait([self.meta_all_gather(out, row, world)], what)
+        rows = out.view(self.size, 5).tolist()
+        if len({tuple(r[1:]) for r in rows}) > 1 or len({r[0] for r in rows}) > 1:
+            detail = "; ".join(f"rank {i}: communicator #{r[0] + 1}, {r[2]} ranks {r[3]}..{r[4]}"
+                               for i, r in enumerate(rows))
+            raise raised_everywhere(MismatchError(
+                f"ranks create different communicators ({detail}): partitions and primitives "
+                f"must be built by every rank, in the same order"))
+
+    @abstractmethod
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
+        """(data handle, meta handle) of a new group: world-collective, blocking."""
 
     # -- point to point -----------------------------------------------------
     @abstractmethod
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         """Start all sends/receives at once (order-independent, deadlock-free)."""
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        wait_all(self.batch_p2p([P2P("send", tensor, dst, tag)]), self.timeout)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        wait_all(self.batch_p2p([P2P("recv", tensor, src, tag)]), self.timeout)
 
     # -- collectives over a group (all start asynchronously) ----------------
     @abstractmethod
@@ -132,19 +193,56 @@ class Transport(ABC):
         """Equal-sized ``tensor`` from each member into ``out`` (size * numel), group order."""
 
     @abstractmethod
-    def all_to_all(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        out_splits: Sequence[int],
-        in_splits: Sequence[int],
-        group: Group,
-    ) -> Work:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
+        """Sum members' ``inp`` (size * numel of ``out``) and keep this member's slot."""
+
+    @abstractmethod
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
+                   in_splits: Sequence[int], group: Group) -> Work:
         """Uneven all-to-all of flat buffers: ``inp[in_splits[j]]`` goes to member ``j``."""
 
     @abstractmethod
+    def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
+        """All-gather of CPU int64 rows over the group's meta communicator."""
+
+    # -- waiting ----------------------------------------------------------------
+    def wait(self, works: Sequence[Work], what: str | None = None) -> None:
+        """Wait for every work item (one deadline), then finish them in order."""
+        if not works:
+            return
+        works = list(works)
+
+        def done() -> bool:
+            return all(w.done() for w in works)
+
+        blocks = [w.block for w in works if w.block is not None]
+
+        def block(s: float) -> None:
+            for w in works:
+                if w.block is not None and not w.done():
+                    w.block(s)
+                    return
+
+        label = what or ", ".join(dict.fromkeys(w.what for w in works))
+        if self.control is None:  # before gpudist.init finished: a plain bounded wait
+            from ..control import Control
+
+            Control(None, self.rank, self.size, self.timeout).wait(
+                done, label, block=block if blocks else None, spin=any(w.spin for w in works))
+        else:
+            self.control.wait(done, label, block=block if blocks else None,
+                              spin=any(w.spin for w in works))
+        for w in works:
+            w.finish()
+
     def barrier(self, group: Group | None = None) -> None:
-        """Block until every member arrives (raises :class:`CommTimeout`)."""
+        """Block until every member arrives (a zero-byte meta all-gather)."""
+        g = group or self.group(range(self.size))
+        if g.size <= 1:
+            return
+        row = torch.zeros(1, dtype=torch.int64)
+        out = torch.empty(g.size, dtype=torch.int64)
+        self.wait([self.meta_all_gather(out, row, g)], f"barrier over {list(g.ranks)}")
 
     def finalize(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources."""

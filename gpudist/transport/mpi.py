@@ -1,20 +1,23 @@
 """Transport over mpi4py.
 
 CPU tensors are passed to MPI as NumPy views (no copy). CUDA tensors go straight to MPI
-when it is CUDA-aware (through ``__cuda_array_interface__``) and are staged through host
-otherwise. Every wait polls with a deadline, so a missing peer raises instead of hanging.
+when it is CUDA-aware (through ``__cuda_array_interface__``; :func:`cuda_aware`, env
+``GPUDIST_MPI_CUDA_AWARE`` overrides) and through reused host buffers otherwise. Sums of
+float16/bfloat16 (no MPI datatype) run in float32 buffers. Every request is polled by the
+world's wait loop, so a missing peer raises instead of hanging.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import CommTimeout, DeviceError
-from .base import P2P, Group, Transport, Work
+from ..errors import DeviceError
+from .base import P2P, Group, Staging, Transport, Work
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _mpi():
@@ -39,117 +42,143 @@ def cuda_aware() -> bool:
 class MPITransport(Transport):
     """``MPI.COMM_WORLD`` (or a given communicator) as a transport."""
 
-    def __init__(self, comm=None, timeout: float = 120.0) -> None:
+    def __init__(self, comm=None, timeout: float = 120.0, stage_all: bool | None = None
+                 ) -> None:
         MPI = _mpi()
         self.MPI = MPI
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.size, self.timeout = self.comm.Get_rank(), self.comm.Get_size(), timeout
         self.cuda_aware = cuda_aware()
+        if stage_all is None:
+            stage_all = os.environ.get("GPUDIST_FORCE_STAGING", "0") not in ("0", "", "no")
+        self.stage_all = stage_all
         self.name = "mpi4py" + ("/cuda-aware" if self.cuda_aware else "")
+        self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
-        self._poll_sleep = float(os.environ.get("GPUDIST_MPI_POLL_SLEEP", "0"))
+        # the world's groups, made now while every rank is here (world-collective)
+        everyone = tuple(range(self.size))
+        self.world_meta = self.comm.Dup()
+        self._groups[everyone] = Group(everyone, self.comm, self.world_meta)
+        self._types = {
+            torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT, torch.int64: MPI.INT64_T,
+            torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
+            torch.uint8: MPI.UINT8_T, torch.complex128: MPI.C_DOUBLE_COMPLEX,
+            torch.complex64: MPI.C_FLOAT_COMPLEX, torch.bool: MPI.C_BOOL,
+        }
 
     # -- buffers ------------------------------------------------------------
-    def _buf(self, t: torch.Tensor, typed: bool):
-        """(MPI buffer spec, host copy or None) for a contiguous tensor."""
+    def native(self, t: torch.Tensor) -> bool:
+        """Whether MPI takes ``t``'s memory as it is."""
+        return not self.stage_all and (not t.is_cuda or self.cuda_aware)
+
+    def _spec(self, t: torch.Tensor, typed: bool):
+        """MPI buffer spec of a contiguous tensor MPI can read (host, or device if aware)."""
         if not t.is_contiguous():
             raise DeviceError("transport buffers must be contiguous")
-        host = None
         if t.is_cuda:
-            if self.cuda_aware:
-                torch.cuda.current_stream(t.device).synchronize()
-                arr = t if typed else t.view(torch.uint8)
-                return [arr, self._mpi_type(t.dtype) if typed else self.MPI.BYTE], None
-            host = t.detach().cpu()
-            t = host
-        if typed:
-            return [t.numpy(), self._mpi_type(t.dtype)], host
-        return [t.view(torch.uint8).numpy(), self.MPI.BYTE], host
+            torch.cuda.current_stream(t.device).synchronize()
+            arr = t if typed else t.view(torch.uint8)
+        else:
+            arr = t.numpy() if typed else t.view(torch.uint8).numpy()
+        return [arr, self._mpi_type(t.dtype) if typed else self.MPI.BYTE]
 
     def _mpi_type(self, dtype: torch.dtype):
-        M = self.MPI
-        table = {
-            torch.float64: M.DOUBLE, torch.float32: M.FLOAT, torch.int64: M.INT64_T,
-            torch.int32: M.INT32_T, torch.int16: M.INT16_T, torch.int8: M.INT8_T,
-            torch.uint8: M.UINT8_T, torch.complex128: M.C_DOUBLE_COMPLEX,
-            torch.complex64: M.C_FLOAT_COMPLEX, torch.bool: M.C_BOOL,
-        }
-        if dtype not in table:
-            raise DeviceError(f"MPI transport cannot reduce dtype {dtype}")
-        return table[dtype]
+        if dtype not in self._types:
+            raise DeviceError(f"MPI transport cannot sum tensors of dtype {dtype}")
+        return self._types[dtype]
 
-    def _work(self, req, what: str, orig: torch.Tensor | None = None, host=None) -> Work:
-        def wait(timeout: float) -> None:
-            deadline = time.monotonic() + timeout
-            while not req.Test():
-                if time.monotonic() > deadline:
-                    raise CommTimeout(f"MPI {what} did not complete within {timeout:.1f}s")
-                time.sleep(self._poll_sleep)
+    def _src(self, key: object, t: torch.Tensor, typed: bool = False):
+        """(buffer spec, staged tensor) for data MPI reads; sums of half types in float32."""
+        if typed and t.dtype in _HALF:
+            s = self.staging.host(key, t.shape, torch.float32)
+            s.copy_(t)
+            return self._spec(s, True), s
+        if self.native(t):
+            return self._spec(t, typed), t
+        s = self.staging.stage_in(key, t)
+        return self._spec(s, typed), s
 
-        after = None
-        if orig is not None and host is not None:
-            def after() -> None:
-                orig.copy_(host)
-        return Work(wait, what, after)
+    def _dst(self, key: object, t: torch.Tensor, typed: bool = False):
+        """(buffer spec, staged tensor) for data MPI writes (copied back by finish)."""
+        if typed and t.dtype in _HALF:
+            s = self.staging.host(key, t.shape, torch.float32)
+            return self._spec(s, True), s
+        if self.native(t):
+            return self._spec(t, typed), t
+        s = self.staging.host(key, t.shape, t.dtype)
+        return self._spec(s, typed), s
+
+    def _work(self, req, what: str, staged=None, orig=None) -> Work:
+        def finish() -> None:
+            if orig is not None and staged is not orig:
+                orig.copy_(staged)
+
+        return Work(what, req.Test, finish if orig is not None else None, spin=True)
 
     # -- interface ----------------------------------------------------------
-    def group(self, ranks: Sequence[int]) -> Group:
-        key = tuple(sorted({int(r) for r in ranks}))
-        g = self._groups.get(key)
-        if g is None:
-            if key == tuple(range(self.size)):
-                comm = self.comm
-            else:  # world-collective: every rank calls this, in the same order
-                color = 0 if self.rank in key else self.MPI.UNDEFINED
-                comm = self.comm.Split(color, self.rank)
-                if comm == self.MPI.COMM_NULL:
-                    comm = None
-            g = Group(key, comm)
-            self._groups[key] = g
-        return g
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
+        color = 0 if self.rank in key else self.MPI.UNDEFINED
+        comm = self.comm.Split(color, self.rank)
+        if comm == self.MPI.COMM_NULL:
+            return None, None
+        return comm, comm.Dup()
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         works = []
         for o in ops:
-            buf, host = self._buf(o.tensor, typed=False)
+            key = ("p2p", o.op, o.peer, o.tag)
             if o.op == "send":
+                buf, _ = self._src(key, o.tensor)
                 req = self.comm.Isend(buf, dest=o.peer, tag=o.tag)
                 works.append(self._work(req, f"send {tuple(o.tensor.shape)} to {o.peer}"))
             else:
+                buf, s = self._dst(key, o.tensor)
                 req = self.comm.Irecv(buf, source=o.peer, tag=o.tag)
-                works.append(
-                    self._work(req, f"recv {tuple(o.tensor.shape)} from {o.peer}", o.tensor, host)
-                )
+                works.append(self._work(req, f"receive {tuple(o.tensor.shape)} from {o.peer}",
+                                        s, o.tensor))
         return works
 
     def broadcast(self, tensor, src, group):
-        buf, host = self._buf(tensor, typed=False)
+        key = ("bcast", group.ranks, src)
+        if self.rank == src:
+            buf, _ = self._src(key, tensor)
+            req = group.handle.Ibcast(buf, root=group.index(src))
+            return self._work(req, f"broadcast from {src} over {list(group.ranks)}")
+        buf, s = self._dst(key, tensor)
         req = group.handle.Ibcast(buf, root=group.index(src))
-        return self._work(req, f"broadcast from {src} over {group.ranks}", tensor, host)
+        return self._work(req, f"broadcast from {src} over {list(group.ranks)}", s, tensor)
 
     def reduce(self, tensor, dst, group):
-        buf, host = self._buf(tensor, typed=True)
+        what = f"reduce to {dst} over {list(group.ranks)}"
+        key = ("reduce", group.ranks, dst)
         root = group.index(dst)
+        buf, s = self._src(key, tensor, typed=True)
         if group.index(self.rank) == root:
             req = group.handle.Ireduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
-            return self._work(req, f"reduce to {dst} over {group.ranks}", tensor, host)
+            return self._work(req, what, s, tensor)
         req = group.handle.Ireduce(buf, None, op=self.MPI.SUM, root=root)
-        return self._work(req, f"reduce to {dst} over {group.ranks}")
+        return self._work(req, what)
 
     def all_reduce(self, tensor, group):
-        buf, host = self._buf(tensor, typed=True)
+        buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
         req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return self._work(req, f"all-reduce over {group.ranks}", tensor, host)
+        return self._work(req, f"all-reduce over {list(group.ranks)}", s, tensor)
 
     def all_gather(self, out, tensor, group):
-        ob, oh = self._buf(out, typed=False)
-        ib, _ = self._buf(tensor, typed=False)
+        ob, so = self._dst(("ag-out", group.ranks), out)
+        ib, _ = self._src(("ag-in", group.ranks), tensor)
         req = group.handle.Iallgather(ib, ob)
-        return self._work(req, f"all-gather over {group.ranks}", out, oh)
+        return self._work(req, f"all-gather over {list(group.ranks)}", so, out)
+
+    def reduce_scatter(self, out, inp, group):
+        ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
+        ib, _ = self._src(("rs-in", group.ranks), inp, typed=True)
+        req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
+        return self._work(req, f"reduce-scatter over {list(group.ranks)}", so, out)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group):
-        ob, oh = self._buf(out, typed=False)
-        ib, _ = self._buf(inp, typed=False)
+        ob, so = self._dst(("a2a-out", group.ranks), out)
+        ib, _ = self._src(("a2a-in", group.ranks), inp)
         e = out.element_size()
 
         def displ(splits):
@@ -164,8 +193,13 @@ class MPITransport(Transport):
             [ib[0], (ic, displ(in_splits)), self.MPI.BYTE],
             [ob[0], (oc, displ(out_splits)), self.MPI.BYTE],
         )
-        return self._work(req, f"all-to-all over {group.ranks}", out, oh)
+        return self._work(req, f"all-to-all over {list(group.ranks)}", so, out)
 
-    def barrier(self, group=None):
-        comm = self.comm if group is None else group.handle
-        self._work(comm.Ibarrier(), "barrier").wait(self.timeout)
+    def meta_all_gather(self, out, row, group):
+        req = group.meta.Iallgather([row.numpy(), self.MPI.INT64_T],
+                                    [out.numpy(), self.MPI.INT64_T])
+        return self._work(req, f"metadata exchange over {list(group.ranks)}")
+
+    def finalize(self) -> None:
+        self._groups.clear()
+        self.staging.clear()

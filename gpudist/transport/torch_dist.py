@@ -1,139 +1,243 @@
 """Transport over ``torch.distributed`` (NCCL for CUDA tensors, gloo for CPU tensors).
 
-When the process group cannot take a tensor's device (gloo with CUDA tensors in
-point-to-point), the tensor is staged through host memory; NCCL never stages.
+Waiting: collectives are polled (``Work.is_completed``); gloo's point-to-point works cannot
+be polled (and a timed-out gloo wait closes the connection), so a helper thread blocks in
+them while the caller polls an event. Metadata goes over a second communicator per group
+(gloo, on the CPU, also in NCCL worlds).
+
+Staging: gloo cannot take CUDA tensors (point-to-point) and NCCL only takes them; a tensor
+on the other kind of device goes through a :class:`~gpudist.transport.base.Staging`
+buffer (allocated once per use and shape). ``stage_all=True`` (env
+``GPUDIST_FORCE_STAGING=1``) stages every tensor, so the staging path runs on CPU-only
+machines too.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import queue
+import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CommTimeout
-from .base import P2P, Group, Transport, Work
+from ..errors import CommTimeout, DeviceError
+from .base import P2P, Group, Staging, Transport, Work
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _wait(work: dist.Work, what: str):
-    def fn(timeout: float) -> None:
-        try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:  # gloo raises on timeout / peer loss
-            raise CommTimeout(f"{what} failed or timed out after {timeout:.1f}s: {e}") from e
-        if ok is False:
-            raise CommTimeout(f"{what} did not complete within {timeout:.1f}s")
+def _backend_error(e: BaseException, what: str) -> BaseException:
+    text = str(e)
+    if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+        return CommTimeout(f"{what}: a peer closed its connection (it exited, crashed or "
+                           f"aborted): {text.splitlines()[0][:300]}")
+    return CommTimeout(f"{what} failed in the backend: {text.splitlines()[0][:300]}")
 
-    return fn
+
+class _Pending:
+    __slots__ = ("works", "event", "error")
+
+    def __init__(self, works) -> None:
+        self.works, self.event, self.error = works, threading.Event(), None
+
+
+class _P2PWaiter:
+    """A daemon thread blocking in gloo point-to-point waits so the caller can poll."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def submit(self, works) -> _Pending:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="gpudist-p2p-wait",
+                                           daemon=True)
+            self.thread.start()
+        p = _Pending(works)
+        self.q.put(p)
+        return p
+
+    def _run(self) -> None:
+        while True:
+            p = self.q.get()
+            if p is None:
+                return
+            try:
+                for w in p.works:
+                    w.wait()
+            except BaseException as e:  # handed to the caller
+                p.error = e
+            p.event.set()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread = None
 
 
 class TorchDistTransport(Transport):
     """``torch.distributed`` process group as a transport."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, stage_all: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call gpudist.init()")
         self.rank, self.size, self.timeout = dist.get_rank(), dist.get_world_size(), timeout
         self.backend = dist.get_backend()
         self.name = f"torch.distributed/{self.backend}"
+        if stage_all is None:
+            stage_all = os.environ.get("GPUDIST_FORCE_STAGING", "0") not in ("0", "", "no")
+        self.stage_all = stage_all and self.backend != "nccl"
+        self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
+        self._waiter = _P2PWaiter()
+        self._td = datetime.timedelta(seconds=timeout)
+        # the world's groups, made now while every rank is here (world-collective)
+        everyone = tuple(range(self.size))
+        self.world_meta = dist.new_group(list(everyone), timeout=self._td, backend="gloo")
+        self._groups[everyone] = Group(everyone, dist.group.WORLD, self.world_meta)
 
     # -- helpers ------------------------------------------------------------
-    def _native(self, t: torch.Tensor) -> bool:
-        if self.backend == "nccl":
-            return t.is_cuda
-        return not t.is_cuda
+    def native(self, t: torch.Tensor) -> bool:
+        """Whether the backend takes ``t``'s memory as it is."""
+        if self.stage_all:
+            return False
+        return t.is_cuda if self.backend == "nccl" else not t.is_cuda
 
-    def _stage(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
-        if self._native(t):
-            return t, None
-        return t.detach().to("cuda" if self.backend == "nccl" else "cpu"), t
+    def _check(self, t: torch.Tensor) -> None:
+        if self.backend == "nccl" and not t.is_cuda:
+            raise DeviceError(f"the NCCL backend moves CUDA tensors only; got a tensor on "
+                              f"{t.device} (use gloo or MPI for CPU tensors)")
 
-    def _work(self, w: dist.Work | None, what: str, staged, orig, copy_back: bool) -> Work:
-        after = None
-        if orig is not None and copy_back:
-            def after() -> None:
+    def _in(self, key: object, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the backend reads it (staged to the host if it cannot take it)."""
+        if self.native(t):
+            return t
+        self._check(t)
+        return self.staging.stage_in(key, t)
+
+    def _out(self, key: object, t: torch.Tensor) -> torch.Tensor:
+        """Where the backend writes ``t``'s data (a host buffer, copied back by finish)."""
+        if self.native(t):
+            return t
+        self._check(t)
+        return self.staging.host(key, t.shape, t.dtype)
+
+    def _coll(self, w, what: str, staged: torch.Tensor | None = None,
+              orig: torch.Tensor | None = None) -> Work:
+        def finish() -> None:
+            try:
+                w.wait()
+            except RuntimeError as e:
+                raise _backend_error(e, what) from e
+            if orig is not None and staged is not orig:
                 orig.copy_(staged)
-        if w is None:
-            if after is not None:
-                after()
-            return Work(lambda _t: None, what)
-        return Work(_wait(w, what), what, after)
+
+        return Work(what, w.is_completed, finish)
 
     # -- interface ----------------------------------------------------------
-    def group(self, ranks: Sequence[int]) -> Group:
-        key = tuple(sorted({int(r) for r in ranks}))
-        g = self._groups.get(key)
-        if g is None:
-            if key == tuple(range(self.size)):
-                handle = dist.group.WORLD
-            else:  # world-collective: every rank calls this, in the same order
-                handle = dist.new_group(list(key), timeout=datetime.timedelta(seconds=self.timeout))
-                if self.rank not in key:
-                    handle = None
-            g = Group(key, handle)
-            self._groups[key] = g
-        return g
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
+        handle = dist.new_group(list(key), timeout=self._td)
+        meta = dist.new_group(list(key), timeout=self._td, backend="gloo")
+        return handle, meta
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
             return []
-        dops, meta = [], []
+        dops, back = [], []
         for o in ops:
-            staged, orig = self._stage(o.tensor)
+            key = ("p2p", o.op, o.peer, o.tag)
+            if o.op == "send":
+                t = self._in(key, o.tensor)
+            else:
+                t = self._out(key, o.tensor)
+                if t is not o.tensor:
+                    back.append((t, o.tensor))
             fn = dist.isend if o.op == "send" else dist.irecv
-            dops.append(dist.P2POp(fn, staged, o.peer, tag=o.tag))
-            meta.append((o, staged, orig))
+            dops.append(dist.P2POp(fn, t, o.peer, tag=o.tag))
         works = dist.batch_isend_irecv(dops)
-        return [
-            self._work(w, f"{o.op} {tuple(o.tensor.shape)} with rank {o.peer}", s, orig,
-                       o.op == "recv")
-            for w, (o, s, orig) in zip(works, meta)
-        ]
+        what = f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+
+        def copy_back() -> None:
+            for staged, orig in back:
+                orig.copy_(staged)
+
+        if self.backend != "gloo":  # NCCL works poll through CUDA events
+            def finish() -> None:
+                for w in works:
+                    w.wait()
+                copy_back()
+
+            return [Work(what, lambda: all(w.is_completed() for w in works), finish)]
+        pending = self._waiter.submit(works)
+
+        def finish_gloo() -> None:
+            if pending.error is not None:
+                raise _backend_error(pending.error, what) from pending.error
+            copy_back()
+
+        return [Work(what, pending.event.is_set, finish_gloo, block=pending.event.wait)]
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
-        s, orig = self._stage(tensor)
+        s = self._in(("bcast", group.ranks, src), tensor)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        return self._work(w, f"broadcast from {src} over {group.ranks}", s, orig, True)
+        return self._coll(w, f"broadcast from {src} over {list(group.ranks)}", s, tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
-        s, orig = self._stage(tensor)
+        s = self._in(("reduce", group.ranks, dst), tensor)
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._work(w, f"reduce to {dst} over {group.ranks}", s, orig, True)
+        return self._coll(w, f"reduce to {dst} over {list(group.ranks)}", s, tensor)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
-        s, orig = self._stage(tensor)
+        s = self._in(("allreduce", group.ranks), tensor)
         w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._work(w, f"all-reduce over {group.ranks}", s, orig, True)
+        return self._coll(w, f"all-reduce over {list(group.ranks)}", s, tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
-        so, oo = self._stage(out)
-        si, _ = self._stage(tensor)
+        so = self._out(("ag-out", group.ranks), out)
+        si = self._in(("ag-in", group.ranks), tensor)
         w = _all_gather_single(so, si, group=group.handle, async_op=True)
-        return self._work(w, f"all-gather over {group.ranks}", so, oo, True)
+        return self._coll(w, f"all-gather over {list(group.ranks)}", so, out)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
+        what = f"reduce-scatter over {list(group.ranks)}"
+        if self.backend == "gloo":  # gloo has no reduce_scatter: all-reduce, keep the slot
+            s = self.staging.host(("rs-in", group.ranks), inp.shape, inp.dtype)
+            s.copy_(inp)
+            w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+            k = group.index(self.rank)
+            n = out.numel()
+
+            def finish() -> None:
+                try:
+                    w.wait()
+                except RuntimeError as e:
+                    raise _backend_error(e, what) from e
+                out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
+
+            return Work(what, w.is_completed, finish)
+        so = self._out(("rs-out", group.ranks), out)
+        si = self._in(("rs-in", group.ranks), inp)
+        w = dist.reduce_scatter_tensor(so, si, op=dist.ReduceOp.SUM, group=group.handle,
+                                       async_op=True)
+        return self._coll(w, what, so, out)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group: Group) -> Work:
-        so, oo = self._stage(out)
-        si, _ = self._stage(inp)
+        so = self._out(("a2a-out", group.ranks), out)
+        si = self._in(("a2a-in", group.ranks), inp)
         w = dist.all_to_all_single(
             so, si, list(out_splits), list(in_splits), group=group.handle, async_op=True
         )
-        return self._work(w, f"all-to-all over {group.ranks}", so, oo, True)
+        return self._coll(w, f"all-to-all over {list(group.ranks)}", so, out)
 
-    def barrier(self, group: Group | None = None) -> None:
-        handle = None if group is None else group.handle
-        if self.backend == "nccl":
-            t = torch.zeros(1, device="cuda")
-            self.all_reduce(t, group or self.group(range(self.size))).wait(self.timeout)
-            return
-        try:
-            dist.monitored_barrier(group=handle, timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise CommTimeout(f"barrier timed out after {self.timeout:.1f}s: {e}") from e
+    def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
+        w = _all_gather_single(out, row, group=group.meta, async_op=True)
+        return self._coll(w, f"metadata exchange over {list(group.ranks)}")
 
     def finalize(self) -> None:
+        self._waiter.stop()
         self._groups.clear()
+        self.staging.clear()

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import gpudist
-    from gpudist.transport.base import P2P, wait_all
+    from gpudist.transport.base import P2P
 
     torch.set_num_threads(1)
     launch = gpudist.detect_launch()
@@ -141,20 +141,20 @@ def main(argv: list[str] | None = None) -> int:
         if g is not None:  # n > 1
             # one world: every rank 0..n-1 exactly once
             ranks = torch.zeros(n, dtype=torch.int64, device=dev)
-            tr.all_gather(ranks, torch.tensor([me], dtype=torch.int64, device=dev), g).wait(
-                a.timeout)
+            tr.wait([tr.all_gather(ranks, torch.tensor([me], dtype=torch.int64, device=dev),
+                                   g)])
             rec["gathered_ranks"] = ranks.tolist()
             if sorted(rec["gathered_ranks"]) != list(range(n)):
                 errors.append(f"all-gather of ranks gave {rec['gathered_ranks']}")
             # all-reduce
             t = torch.full((3,), float(me + 1), dtype=torch.float64, device=dev)
-            tr.all_reduce(t, g).wait(a.timeout)
+            tr.wait([tr.all_reduce(t, g)])
             rec["allreduce"] = t[0].item()
             if not torch.all(t == n * (n + 1) / 2):
                 errors.append(f"all-reduce gave {t.tolist()}, expected {n * (n + 1) / 2}")
             # broadcast from the last rank
             b = torch.full((2,), 1000.0 + me, dtype=torch.float64, device=dev)
-            tr.broadcast(b, n - 1, g).wait(a.timeout)
+            tr.wait([tr.broadcast(b, n - 1, g)])
             if not torch.all(b == 1000.0 + n - 1):
                 errors.append(f"broadcast gave {b.tolist()}")
         else:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 ops.append(P2P("send", out, peer, 2 * axis + (1 if side == "hi" else 0)))
                 ops.append(P2P("recv", inp, peer, 2 * axis + (0 if side == "hi" else 1)))
                 recvs.append((side, axis, peer, inp))
-        wait_all(tr.batch_p2p(ops), a.timeout)
+        tr.wait(tr.batch_p2p(ops))
         rec["neighbors"] = nbrs
         for side, axis, peer, inp in recvs:
             if inp.item() != peer:
@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         rec["comm_s"] = round(time.monotonic() - t1, 3)
     except Exception as e:  # a timeout or a broken world: report it, exit non-zero at once
         emit({**rec, "status": "error", "error": f"{type(e).__name__}: {e}", "errors": errors})
+        # gpudist posted the error to the world; under MPI give the peers a moment to
+        # report theirs before mpiexec kills them for our exit (gloo peers see it at once)
+        if a.backend == "mpi":
+            time.sleep(gpudist.runtime.EXIT_GRACE_S)
         os._exit(1)  # no finalizers: peers may be dead or stuck
     status = "ok" if not errors else "failed"
     emit({**rec, "status": status, "errors": errors})

@@ -406,14 +406,17 @@ def test_sbatch_gpu_multinode_template_on_cpu(slurm, tmp_path):
 
 @pytest.mark.slurm
 def test_sbatch_failing_task_fails_job(slurm, tmp_path):
-    """A rank exiting 3 inside the template's srun: the job is FAILED with exit code 3."""
+    """A rank exiting 3 inside the template's srun: the job is FAILED, srun reports the task's
+    code 3, and the peers end at once (they see the lost connection; which of their exits
+    srun reports as the job's code is a race, since they no longer hang until killed)."""
     script = _cpu_script(TEMPLATES / "gpu_multinode.sbatch", tmp_path)
     state, code, out, secs = slurm.sbatch(
         script, [JOB_CHECK, "--backend", "gloo", "--fail-rank", "1", "--exit-code", "3",
                  "--timeout", "60"],
         ["--nodes=1", "--ntasks-per-node=4", "--cpus-per-task=1", "--time=5"], tmp_path,
         DEVICE="cpu", BACKEND="gloo", GPUS_PER_TASK="0", PYTHON=PY)
-    assert (state, code) == ("FAILED", 3), out
+    assert state == "FAILED" and code != 0, out
+    assert "task 1: Exited with exit code 3" in out, out
     assert secs < 90, out
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from .runtime import World, require_world
+from ..runtime import World, require_world
+from ..spec import DistTensor
 
 
 def _global_sum(values: list[float], world: World) -> list[float]:
@@ -23,8 +24,17 @@ def _global_sum(values: list[float], world: World) -> list[float]:
         dev = "cuda" if world.backend == "nccl" else "cpu"
         t = t.to(dev)
         tr = world.transport
-        tr.all_reduce(t, tr.group(range(world.size))).wait(world.timeout)
+        tr.wait([tr.all_reduce(t, tr.group(range(world.size)))])
     return t.cpu().tolist()
+
+
+def _plain(t):
+    return t.local if isinstance(t, DistTensor) else t
+
+
+def _with_local(like, t: torch.Tensor):
+    """``t`` in the form of ``like`` (a DistTensor with ``like``'s spec, or plain)."""
+    return DistTensor(t, like.spec, check=False) if isinstance(like, DistTensor) else t
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,8 +57,9 @@ def adjoint_mismatch(
     rank's output-space block. Collective over the world; every rank gets the same value.
     """
     w = require_world(world)
-    x = x.detach().clone().requires_grad_(True)
-    fx = op(x)
+    xl = _plain(x).detach().clone().requires_grad_(True)
+    fx = _plain(op(_with_local(x, xl)))
+    x = xl
     if y is None:
         g = torch.Generator().manual_seed((seed or 0) * 7919 + w.rank)
         y = torch.randn(fx.shape, generator=g, dtype=torch.float64).to(fx.dtype).to(fx.device)
@@ -87,11 +98,12 @@ def jacobian_adjoint_mismatch(
     Collective over the world.
     """
     w = require_world(world)
+    like, x0 = x0, _plain(x0)
     g = torch.Generator().manual_seed((seed or 0) * 7919 + w.rank + 1)
     if v is None:
         v = torch.randn(x0.shape, generator=g, dtype=torch.float64).to(x0)
     x = x0.detach().clone().requires_grad_(True)
-    fx = op(x)
+    fx = _plain(op(_with_local(like, x)))
     if y is None:
         y = torch.randn(fx.shape, generator=g, dtype=torch.float64).to(fx)
     jty = None
@@ -100,7 +112,8 @@ def jacobian_adjoint_mismatch(
     if jty is None:
         jty = torch.zeros_like(x)
     with torch.no_grad():
-        jv = (op(x0.detach() + eps * v) - op(x0.detach() - eps * v)) / (2 * eps)
+        jv = (_plain(op(_with_local(like, x0.detach() + eps * v)))
+              - _plain(op(_with_local(like, x0.detach() - eps * v)))) / (2 * eps)
     jv_y, v_jty, njv, ny, nv, njty = _global_sum(
         [_dot(jv, y), _dot(v, jty), _dot(jv, jv), _dot(y, y), _dot(v, v), _dot(jty, jty)], w
     )

@@ -1,0 +1,94 @@
+"""Memory a plan keeps between calls.
+
+:class:`BufferPool` hands out tensors that are reused across calls, allocated once per
+(name, shape, dtype, device). A pooled buffer is handed out again only when nobody else
+holds its storage any more (autograd's saved tensors, a user's reference, a gradient that
+became ``.grad``): then a repeated forward/backward allocates nothing, and a forward whose
+output is still alive (two forwards before one backward, a layer used twice) gets a second
+buffer instead of overwriting the first. What is handed out is a fresh tensor object on
+the pooled storage (not a view), so callers may modify it in place.
+
+:class:`LRU` bounds the plans (and with them the buffers) a layer keeps per input shape.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+try:  # the number of tensors sharing a storage; without it nothing is reused
+    from torch._C import _storage_Use_Count as _use_count
+except ImportError:  # pragma: no cover
+    _use_count = None
+
+
+def _refs(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+class BufferPool:
+    """Reusable tensors, at most ``per_key`` alive per key (more are allocated fresh)."""
+
+    def __init__(self, per_key: int = 2) -> None:
+        self.per_key = per_key
+        self._bufs: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+        self.allocations = 0
+
+    def get(self, name: object, shape: Sequence[int], dtype: torch.dtype,
+            device: torch.device, init: Callable[[torch.Tensor], None] | None = None
+            ) -> torch.Tensor:
+        """A tensor of ``shape``; ``init`` runs once on a newly allocated buffer."""
+        shape = tuple(int(s) for s in shape)
+        key = (name, shape, dtype, device)
+        slot = self._bufs.setdefault(key, [])
+        if _use_count is not None:
+            for base, refs in slot:
+                if _refs(base) == refs:  # only the pool holds it
+                    return _alias(base)
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self.allocations += 1
+        if init is not None:
+            init(t)
+        if _use_count is not None and len(slot) < self.per_key:
+            slot.append((t, _refs(t)))
+            return _alias(t)
+        return t
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for s in self._bufs.values() for b, _ in s)
+
+
+def _alias(base: torch.Tensor) -> torch.Tensor:
+    """A new tensor object (not a view) on ``base``'s storage, same shape and strides."""
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+        base.untyped_storage(), base.storage_offset(), base.shape, base.stride())
+
+
+def alias(base: torch.Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]
+          ) -> torch.Tensor:
+    """A new tensor object on ``base``'s storage with the given geometry (not a view)."""
+    return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+        base.untyped_storage(), base.storage_offset() + offset, tuple(shape), tuple(stride))
+
+
+class LRU(OrderedDict):
+    """A dict that keeps its ``size`` most recently used entries."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = max(1, int(size))
+
+    def get_or_make(self, key, make: Callable[[], object]):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make()
+        self[key] = value
+        while len(self) > self.size:
+            self.popitem(last=False)
+        return value

@@ -1,0 +1,243 @@
+"""The control plane: how a failure on one rank reaches every rank, and how a wait that
+takes too long finds out why.
+
+Every world has a small key-value store beside its data backend (the torch ``Store`` that
+rendezvous used, or one rank 0 serves for MPI). It carries three things, none of them on
+the data path of a healthy program:
+
+* ``abort``: the first error any rank posts (its rank, type and message). Every wait polls
+  it (after ~5 ms, then every 20 ms), so a rank blocked in a collective raises
+  :class:`~gpudist.errors.RemoteError` naming the failing rank within milliseconds.
+* ``state/<rank>``: what a rank is waiting in, published only when a wait has lasted
+  ``diag_after`` seconds. Peers compare: two ranks waiting in the same group at the same
+  point (sequence number) in different operators is a :class:`~gpudist.errors.MismatchError`
+  (a rank skipped a layer, a shape change seen by some ranks only); a timeout names the
+  ranks that never arrived and where they were last seen.
+* nothing else: metadata (shapes, fingerprints) travels over each group's own meta
+  communicator (:mod:`gpudist.meta`).
+
+:meth:`Control.op` numbers the operators each group runs (the same numbers on every member
+of a consistent program); :meth:`Control.wait` is the one wait loop every transport uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from .errors import CommTimeout, MismatchError, RemoteError, WorldAborted, is_everywhere
+
+ABORT_FIRST_CHECK_S = 0.005
+ABORT_EVERY_S = 0.02
+DEFAULT_DIAG_AFTER_S = float(os.environ.get("GPUDIST_DIAG_AFTER", "2.0"))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator instance on one group: ``seq`` counts the group's operators."""
+
+    group: tuple[int, ...]
+    seq: int
+    what: str
+    fingerprint: int
+
+    def as_json(self, since: float) -> str:
+        return json.dumps({"group": list(self.group), "seq": self.seq, "what": self.what,
+                           "fp": self.fingerprint, "since": since})
+
+
+class Control:
+    """Abort flag, op numbering, diagnostics and the shared wait loop of one rank.
+
+    ``store`` is a torch ``Store`` shared by every rank (None: a world of one).
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: float,
+                 diag_after: float = DEFAULT_DIAG_AFTER_S) -> None:
+        self.store, self.rank, self.size = store, rank, size
+        self.timeout, self.diag_after = timeout, diag_after
+        self.aborted: BaseException | None = None
+        self._seq: dict[tuple[int, ...], int] = {}
+        self._op: Op | None = None
+        self.waits = 0  # waits that did not complete at once (for tests and benches)
+
+    # -- the abort flag -----------------------------------------------------------------
+    def abort(self, exc: BaseException, where: str = "") -> None:
+        """Post ``exc`` as this rank's failure (first poster wins) and stop this world."""
+        if self.aborted is not None:
+            return
+        self.aborted = exc
+        if self.store is None:
+            return
+        msg = str(exc) + (f" (in {where})" if where else "")
+        try:
+            if self.store.add("abort_n", 1) == 1:
+                self.store.set("abort", json.dumps(
+                    {"rank": self.rank, "kind": type(exc).__name__, "message": msg}))
+        except Exception:  # the store is gone too: nothing more to tell
+            pass
+
+    def ensure_alive(self) -> None:
+        """Raise at once if this world was aborted (no communication after a failure)."""
+        if self.aborted is not None:
+            e = self.aborted
+            if isinstance(e, RemoteError):
+                raise WorldAborted(f"the world was aborted: {e}") from e
+            raise WorldAborted(f"the world was aborted after this rank's "
+                               f"{type(e).__name__}: {e}") from e
+
+    def poll_abort(self, where: str = "") -> None:
+        """Raise :class:`RemoteError` if some rank posted a failure."""
+        if self.store is None or self.aborted is not None:
+            self.ensure_alive()
+            return
+        try:
+            if not self.store.check(["abort"]):
+                return
+            info = json.loads(self.store.get("abort"))
+        except Exception:
+            return
+        err = RemoteError(int(info["rank"]), info["kind"], info["message"], where)
+        self.aborted = err
+        raise err
+
+    @contextmanager
+    def scope(self, where: str) -> Iterator[None]:
+        """Errors raised inside that not every rank raises are posted to the world."""
+        self.ensure_alive()
+        try:
+            yield
+        except BaseException as e:
+            if not is_everywhere(e) and not isinstance(e, (KeyboardInterrupt, GeneratorExit)):
+                self.abort(e, where)
+            raise
+
+    # -- operator numbering ---------------------------------------------------------------
+    @contextmanager
+    def op(self, group: Sequence[int], what: str, fingerprint: int = 0) -> Iterator[Op]:
+        """Number one operator on ``group`` (every member calls it, in program order)."""
+        key = tuple(group)
+        seq = self._seq.get(key, 0) + 1
+        self._seq[key] = seq
+        prev, self._op = self._op, Op(key, seq, what, fingerprint)
+        try:
+            yield self._op
+        finally:
+            self._op = prev
+
+    # -- the wait loop --------------------------------------------------------------------
+    def wait(self, done: Callable[[], bool], what: str, timeout: float | None = None,
+             block: Callable[[float], object] | None = None, spin: bool = False) -> None:
+        """Return when ``done()``; meanwhile watch for aborts, mismatches and the timeout.
+
+        ``block(s)`` blocks up to ``s`` seconds for progress (e.g. an Event); without it the
+        loop sleeps with backoff, or only yields when ``spin`` (MPI needs its progress
+        engine driven by ``done()``).
+        """
+        if self.aborted is not None:
+            self.ensure_alive()
+        if done():
+            return
+        self.waits += 1
+        total = self.timeout if timeout is None else timeout
+        t0 = time.monotonic()
+        next_abort, next_diag = t0 + ABORT_FIRST_CHECK_S, t0 + self.diag_after
+        nap, published, ok = 0.0, False, False
+        try:
+            while True:
+                if block is not None:
+                    block(0.01)
+                elif spin:
+                    time.sleep(0)
+                else:
+                    time.sleep(nap)
+                    nap = min(1e-3, nap * 2 + 1e-5)
+                if done():
+                    ok = True
+                    return
+                now = time.monotonic()
+                if now >= next_abort:
+                    self.poll_abort(what)
+                    next_abort = now + ABORT_EVERY_S
+                if now >= next_diag:
+                    published = True
+                    self._diagnose(what, t0)
+                    next_diag = now + 1.0
+                if now - t0 >= total:
+                    err = CommTimeout(self._timeout_message(what, total))
+                    self.abort(err, what)
+                    raise err
+        finally:
+            if published and ok:  # a failed wait stays published (peers' messages name it)
+                self._publish(None, t0)
+
+    # -- diagnostics ----------------------------------------------------------------------
+    def _publish(self, op: Op | None, since: float) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(f"state/{self.rank}",
+                           op.as_json(since) if op is not None else json.dumps({"idle": True}))
+        except Exception:
+            pass
+
+    def _peer_states(self, ranks: Sequence[int]) -> dict[int, dict | None]:
+        out: dict[int, dict | None] = {}
+        for r in ranks:
+            if r == self.rank:
+                continue
+            key = f"state/{r}"
+            try:
+                out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:
+                out[r] = None
+        return out
+
+    def _diagnose(self, what: str, since: float) -> None:
+        """Publish this wait; raise :class:`MismatchError` if a peer of the same group is
+        waiting at the same point of the group's program in a different operator."""
+        op = self._op
+        if self.store is None or op is None:
+            return
+        self._publish(op, since)
+        for r, st in self._peer_states(op.group).items():
+            if not st or "group" not in st or tuple(st["group"]) != op.group:
+                continue
+            if st["seq"] == op.seq and st["fp"] != op.fingerprint:
+                err = MismatchError(
+                    f"ranks disagree at operator #{op.seq} of group {list(op.group)}: "
+                    f"rank {self.rank} runs {op.what}, rank {r} runs {st['what']} (programs "
+                    f"that differ between ranks: a layer skipped or added on some ranks, or "
+                    f"a shape change seen by some ranks only)")
+                self.abort(err, what)
+                raise err
+
+    def _timeout_message(self, what: str, total: float) -> str:
+        op = self._op
+        msg = f"{what} did not complete within {total:.1f}s on rank {self.rank}"
+        if op is None or self.store is None:
+            return msg
+        lines = []
+        for r, st in self._peer_states(op.group).items():
+            if not st or st.get("idle"):
+                lines.append(f"rank {r}: not waiting in any gpudist operator (busy, stuck "
+                             f"outside gpudist, or gone)")
+            elif tuple(st.get("group", ())) == op.group and st.get("seq") == op.seq:
+                lines.append(f"rank {r}: waiting in the same operator")
+            else:
+                lines.append(f"rank {r}: waiting in {st.get('what')} (operator #{st.get('seq')}"
+                             f" of group {st.get('group')})")
+        return (f"{msg} (operator #{op.seq} of group {list(op.group)}: {op.what}); "
+                + "; ".join(lines))
+
+
+def format_exception(exc: BaseException) -> str:
+    """One line for an error posted to the world (type, message, innermost frame)."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    at = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{at}"

@@ -1,0 +1,251 @@
+"""One worker's halo exchange for one global shape: boxes, messages, buffers.
+
+The working buffer ``W`` spans, per dimension, the worker's bulk and the input range its
+outputs need, plus the global padding it holds itself (``inbuf``). The bulk block sits at
+``bulk_box``; after the exchange ``out_box`` holds ``[pad | halo | trimmed bulk | halo |
+pad]``. Step ``d`` (one per dimension that exchanges anything, in increasing order) sends
+boxes that span the already exchanged extent of dims ``< d``, so corners arrive in two hops.
+
+Forward H (:meth:`HaloPlan.exchange_`) and adjoint H* (:meth:`HaloPlan.exchange_adjoint_`)
+are the same messages read in opposite directions: :meth:`HaloPlan._transfer` sends one
+set of boxes and receives the other; forward receives overwrite the halos, adjoint receives
+are *added* into the bulk (the adjoint of a copy is an add). Boxes that are one contiguous
+run of ``W`` go to and from the backend in place; the others are packed/unpacked, both
+faces of a step in one kernel call, through send/receive buffers kept per dtype/device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import HaloError, ShapeError, raised_everywhere
+from ..kernels import Packer, get_packer
+from ..kernels.regions import collapse
+from ..partition import Partition
+from ..transport.base import P2P
+from .geometry import HaloGeometry, WorkerHalo
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One dimension's exchange for this worker (boxes in working-buffer coordinates)."""
+
+    dim: int
+    peers: tuple[int | None, int | None]  # world ranks of the left and right neighbours
+    send: tuple[Box, Box]  # (to left, to right): my bulk that they need
+    recv: tuple[Box, Box]  # (from left, from right): my halos
+
+
+def numel(box: Box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def run_offset(box: Box, shape: Sequence[int]) -> int | None:
+    """Flat offset of ``box`` in a contiguous tensor of ``shape`` if the box is one
+    contiguous run (then it moves in place, without packing), else None."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    strides.reverse()
+    base, sizes, st = collapse(box, strides)
+    return base if (len(sizes) == 1 and st == [1]) or numel(box) <= 1 else None
+
+
+def slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+class HaloPlan:
+    """Everything one (active) worker needs to exchange halos of one global shape.
+
+    ``geometry``: per-dimension :class:`HaloGeometry`; ``me``: this worker's
+    :class:`WorkerHalo` per dimension; ``work_shape``, ``bulk_box``, ``out_box``: the working
+    buffer and where the bulk and the result sit in it; ``in_shape``/``out_shape``: block and
+    result shapes; ``only_padding``: the result is all global padding; ``pads``: per
+    dimension the ``(left, right)`` global padding the local operator still adds itself;
+    ``passthrough``: this worker's result is its block as is. ``tag`` separates this
+    exchange's messages from other operators'.
+    """
+
+    def __init__(self, P: Partition, geometry: Sequence[HaloGeometry],
+                 packer: str | None = None, fill: float | None = None,
+                 leave_symmetric: bool = False, tag: int = 0) -> None:
+        self.P = P
+        self.geometry = tuple(geometry)
+        if len(self.geometry) != P.dim:
+            raise raised_everywhere(ShapeError(
+                f"{len(self.geometry)} geometries for a {P.dim}-D partition"))
+        for a, (g, s) in enumerate(zip(self.geometry, P.shape)):
+            if g.workers != s:
+                raise raised_everywhere(HaloError(
+                    f"dimension {a}: geometry for {g.workers} workers but the partition "
+                    f"has {s}"))
+        if not P.active:
+            raise ValueError("HaloPlan is made on the partition's own workers only")
+        self.prefer, self.fill, self.tag = packer, fill, tag
+        self.global_shape = tuple(g.size for g in self.geometry)
+        me = tuple(g.worker(c) for g, c in zip(self.geometry, P.coords))
+        self.me: tuple[WorkerHalo, ...] = me
+        # global padding: what the working buffer holds (``inbuf``, filled with ``fill``)
+        # and what the local operator still adds (``pads``; symmetric if leave_symmetric)
+        pads = [(w.pad_left, w.pad_right) for w in me]
+        if fill is None:
+            inbuf = [(0, 0)] * P.dim
+            self.pads = tuple(pads)
+        else:
+            sym = [min(p) if leave_symmetric else 0 for p in pads]
+            inbuf = [(lo - s_, hi - s_) for (lo, hi), s_ in zip(pads, sym)]
+            self.pads = tuple((s_, s_) for s_ in sym)
+        self.inbuf = tuple(inbuf)
+        # a worker whose outputs read only padding (or that has no output) needs an empty
+        # range: place it at its bulk start, inside the buffer
+        needed = [w.needed if w.needed[1] > w.needed[0] else (w.bulk[0], w.bulk[0])
+                  for w in me]
+        lo = [min(w.bulk[0], nd[0]) if w.n_inputs else nd[0] for w, nd in zip(me, needed)]
+        hi = [max(w.bulk[1], nd[1]) if w.n_inputs else nd[1] for w, nd in zip(me, needed)]
+        w0 = [lo[a] - inbuf[a][0] for a in range(P.dim)]
+
+        def rel(a: int, iv: tuple[int, int]) -> tuple[int, int]:
+            return iv[0] - w0[a], iv[1] - w0[a]
+
+        self.work_shape = tuple(hi[a] + inbuf[a][1] - w0[a] for a in range(P.dim))
+        self.bulk_box: Box = tuple(rel(a, w.bulk) for a, w in enumerate(me))
+        self.out_box: Box = tuple((rel(a, needed[a])[0] - inbuf[a][0],
+                                   rel(a, needed[a])[1] + inbuf[a][1]) for a in range(P.dim))
+        self.in_shape = tuple(w.n_inputs for w in me)
+        self.out_shape = tuple(b - a for a, b in self.out_box)
+        # a worker whose outputs read only global padding in some dimension: its result is
+        # all padding (made apart from W; it still sends its bulk to its neighbours)
+        self.only_padding = fill is not None and any(
+            w.needed[1] <= w.needed[0] and w.pad_left + w.pad_right > 0 for w in me)
+        if self.only_padding:
+            self.pads = ((0, 0),) * P.dim
+            self.out_shape = tuple(w.pad_left + w.local_length + w.pad_right for w in me)
+        self.no_outputs = any(w.n_outputs == 0 for w in me)
+        steps = []
+        for d in range(P.dim):
+            w = me[d]
+            if not w.exchanges:
+                continue
+
+            def box(iv: tuple[int, int], d: int = d) -> Box:
+                return tuple(self.out_box[a] if a < d else rel(a, iv) if a == d
+                             else self.bulk_box[a] for a in range(P.dim))
+
+            steps.append(Step(d, P.neighbors(d), (box(w.send_left), box(w.send_right)),
+                              (box(w.halo_left), box(w.halo_right))))
+        self.steps = tuple(steps)
+        self.passthrough = not self.steps and not self.only_padding and \
+            self.bulk_box == self.out_box == tuple((0, n) for n in self.work_shape)
+        self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the slabs of global padding the buffer holds, and W minus out_box (zeroed in the
+        # adjoint before the gradient is written)
+        self.pad_slabs = _slabs(self.work_shape, tuple(
+            (inbuf[a][0], self.work_shape[a] - inbuf[a][1]) for a in range(P.dim)))
+        self.outside = _slabs(self.work_shape, self.out_box)
+
+    # -- views of a working buffer ---------------------------------------------------------
+    def bulk(self, W: torch.Tensor) -> torch.Tensor:
+        """The view of ``W`` where this worker's bulk block lives (write the input here)."""
+        return W[slices(self.bulk_box)]
+
+    def result(self, W: torch.Tensor) -> torch.Tensor:
+        """The view of ``W`` holding ``[halo | trimmed bulk | halo]`` after the exchange."""
+        return W[slices(self.out_box)]
+
+    def fill_padding(self, W: torch.Tensor) -> None:
+        for box in self.pad_slabs:
+            W[slices(box)].fill_(self.fill)
+
+    def zero_outside(self, G: torch.Tensor) -> None:
+        for box in self.outside:
+            G[slices(box)].zero_()
+
+    # -- the operator, in place ------------------------------------------------------------
+    def exchange_(self, W: torch.Tensor) -> torch.Tensor:
+        """H in place: fill the halos of ``W`` (bulk already written). Returns ``W``."""
+        for k, st in enumerate(self.steps):
+            self._transfer(W, st, k, st.send, st.recv, add=False)
+        return W
+
+    def exchange_adjoint_(self, W: torch.Tensor) -> torch.Tensor:
+        """H* in place: add the halos of ``W`` into their owners' bulk. Returns ``W``."""
+        for k, st in reversed(list(enumerate(self.steps))):
+            self._transfer(W, st, k, st.recv, st.send, add=True)
+        return W
+
+    def _buffers(self, k: int, send: tuple[Box, Box], recv: tuple[Box, Box],
+                 W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (k, W.dtype, W.device)  # one pair per step, serving both directions
+        b = self._bufs.get(key)
+        if b is None:
+            n = max(numel(send[0]) + numel(send[1]), numel(recv[0]) + numel(recv[1]))
+            b = (torch.empty(n, dtype=W.dtype, device=W.device),
+                 torch.empty(n, dtype=W.dtype, device=W.device))
+            self._bufs[key] = b
+        return b
+
+    def _transfer(self, W: torch.Tensor, st: Step, k: int, send: tuple[Box, Box],
+                  recv: tuple[Box, Box], add: bool) -> None:
+        """Send the boxes ``send`` of ``W`` to the (left, right) neighbours and receive
+        theirs into ``recv``: overwriting (forward) or adding (``add``, the adjoint)."""
+        flat = W.view(-1)
+        sbuf, rbuf = self._buffers(k, send, recv, W)
+        n_s, n_r = (numel(send[0]), numel(send[1])), (numel(recv[0]), numel(recv[1]))
+        s_run = [run_offset(b, W.shape) for b in send]
+        r_run = [None, None] if add else [run_offset(b, W.shape) for b in recv]
+        to_pack = [i for i in range(2) if n_s[i] and s_run[i] is None]
+        if to_pack:
+            boxes = [send[i] for i in to_pack]
+            at = n_s[0] if len(to_pack) == 1 and to_pack[0] else 0
+            out = sbuf[at:at + sum(n_s[i] for i in to_pack)]
+            self.packer(W).pack(W, boxes, out=out)
+        tag = self.tag + 4 * st.dim + (2 if add else 0)
+        ops: list[P2P] = []
+        for i, peer in enumerate(st.peers):  # to the left travels with tag+1, right with tag
+            if n_s[i]:
+                src = flat[s_run[i]:s_run[i] + n_s[i]] if s_run[i] is not None else \
+                    sbuf[(n_s[0] if i else 0):(n_s[0] if i else 0) + n_s[i]]
+                ops.append(P2P("send", src, peer, tag + (1 - i)))
+            if n_r[i]:
+                dst = flat[r_run[i]:r_run[i] + n_r[i]] if r_run[i] is not None else \
+                    rbuf[(n_r[0] if i else 0):(n_r[0] if i else 0) + n_r[i]]
+                ops.append(P2P("recv", dst, peer, tag + i))
+        tr = self.P.world.transport
+        tr.wait(tr.batch_p2p(ops), f"halo exchange of dim {st.dim}")
+        to_unpack = [i for i in range(2) if n_r[i] and r_run[i] is None]
+        if to_unpack:
+            boxes = [recv[i] for i in to_unpack]
+            at = n_r[0] if len(to_unpack) == 1 and to_unpack[0] else 0
+            buf = rbuf[at:at + sum(n_r[i] for i in to_unpack)]
+            self.packer(W).unpack(buf, W, boxes, add=add)
+
+    def packer(self, t: torch.Tensor) -> Packer:
+        return get_packer(t.device, t.dtype, prefer=self.prefer)
+
+    def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
+        """data_ptr of every cached send/receive buffer pair (to check reuse)."""
+        return {k: (s.data_ptr(), r.data_ptr()) for k, (s, r) in self._bufs.items()}
+
+
+def _slabs(shape: Sequence[int], box: Box) -> list[Box]:
+    """Disjoint boxes covering ``shape`` minus ``box`` (at most two per dimension)."""
+    out = []
+    inner = [(0, n) for n in shape]
+    for a, (lo, hi) in enumerate(box):
+        if lo > 0:
+            out.append(tuple(inner[:a]) + ((0, lo),) + tuple((0, n) for n in shape[a + 1:]))
+        if hi < shape[a]:
+            out.append(tuple(inner[:a]) + ((hi, shape[a]),) +
+                       tuple((0, n) for n in shape[a + 1:]))
+        inner[a] = (lo, hi)
+    return out

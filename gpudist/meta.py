@@ -1,0 +1,203 @@
+"""Metadata exchanges: the only place shapes and fingerprints cross ranks.
+
+Both exchanges send one fixed-size int64 row per rank over the group's *meta*
+communicator, so any two of them match whatever the ranks were doing, and every rank sees
+every row and raises the same error:
+
+* :func:`derive_spec` -- the global shape of a tensor from its blocks' local shapes (what
+  a plain local tensor needs once; a :class:`~gpudist.spec.DistTensor` never does);
+* :func:`verify` -- run at the first call of every plan: the operator, its configuration,
+  the tensor's spec and whether each rank's block matches it, compared across the
+  participants. Programs that disagree (another layer, another dtype, a lying shape hint)
+  fail here with a message that says what differs on which ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .errors import DeviceError, MismatchError, ShapeError, raised_everywhere
+from .partition import Partition
+from .spec import TensorSpec, dtype_code, dtype_of, stable_hash
+from .transport.base import Group
+
+MAX_DIM = 8
+MAGIC = 0x6D657461
+_NAME_WORDS = 3
+ROW = 1 + _NAME_WORDS + 6 + 2 * MAX_DIM
+OK, BAD_BLOCK, ABSENT = 1, 0, 2
+META_FP = 0x4D455441
+_DEVICES = ("cpu", "cuda")
+
+
+def _pack_name(name: str) -> list[int]:
+    b = name.encode("ascii", "replace")[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b" ")
+    return [int.from_bytes(b[8 * i:8 * i + 8], "little", signed=True)
+            for i in range(_NAME_WORDS)]
+
+
+def _unpack_name(words: Sequence[int]) -> str:
+    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words).decode(
+        "ascii", "replace").rstrip()
+
+
+class Row:
+    """One rank's metadata row."""
+
+    def __init__(self, v: Sequence[int]) -> None:
+        self.v = [int(x) for x in v]
+
+    @classmethod
+    def make(cls, name: str, status: int, config: int, dtype: torch.dtype | None,
+             device: str, local: Sequence[int] | None, glob: Sequence[int] | None,
+             spec_hash: int = 0) -> Row:
+        nd = len(local if local is not None else glob or ())
+        if nd > MAX_DIM:
+            raise raised_everywhere(ShapeError(
+                f"tensors of more than {MAX_DIM} dimensions are not supported"))
+        loc = list(local or []) + [-1] * (MAX_DIM - len(local or []))
+        gl = list(glob or []) + [-1] * (MAX_DIM - len(glob or []))
+        dev = _DEVICES.index(device) if device in _DEVICES else len(_DEVICES)
+        code = dtype_code(dtype) if dtype is not None else -1
+        return cls([MAGIC, *_pack_name(name), status, config, code, dev, nd, spec_hash,
+                    *loc, *gl])
+
+    name = property(lambda self: _unpack_name(self.v[1:1 + _NAME_WORDS]))
+    status = property(lambda self: self.v[4])
+    config = property(lambda self: self.v[5])
+    dtype = property(lambda self: dtype_of(self.v[6]))
+    device = property(lambda self: _DEVICES[self.v[7]] if self.v[7] < len(_DEVICES) else "?")
+    ndim = property(lambda self: self.v[8])
+    spec_hash = property(lambda self: self.v[9])
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        return tuple(self.v[10:10 + self.ndim])
+
+    @property
+    def glob(self) -> tuple[int, ...]:
+        return tuple(self.v[10 + MAX_DIM:10 + MAX_DIM + self.ndim])
+
+    def describe(self) -> str:
+        dt = str(self.dtype).replace("torch.", "") if self.dtype is not None else "?"
+        g = f" global {self.glob}" if any(x >= 0 for x in self.glob) else ""
+        return f"{self.name} [config {self.config:#x}]{g} {dt} on {self.device}"
+
+
+def exchange(group: Group | None, row: Row, what: str) -> list[Row]:
+    """Every member's row, in ascending world-rank order (collective over ``group``)."""
+    if group is None or group.size == 1:
+        return [row]
+    from .runtime import require_world
+
+    w = require_world(None)
+    mine = torch.tensor(row.v, dtype=torch.int64)
+    out = torch.empty(group.size * ROW, dtype=torch.int64)
+    with w.control.op(group.ranks, f"metadata exchange of {what}", META_FP):
+        w.transport.wait([w.transport.meta_all_gather(out, mine, group)],
+                         f"metadata exchange of {what} over {list(group.ranks)}")
+    rows = [Row(r) for r in out.view(group.size, ROW).tolist()]
+    bad = [r for r, x in zip(group.ranks, rows) if x.v[0] != MAGIC]
+    if bad:
+        raise raised_everywhere(MismatchError(
+            f"{what}: ranks {bad} sent something else than a metadata row"))
+    return rows
+
+
+def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
+    kinds = {(x.name, x.config) for x in rows}
+    if len(kinds) > 1:
+        detail = "; ".join(f"rank {r}: {x.describe()}" for r, x in zip(ranks, rows))
+        raise raised_everywhere(MismatchError(
+            f"{what}: ranks run different operators at the same point of the program "
+            f"({detail}): the program differs between ranks (a layer or partition created, "
+            f"skipped or called on some ranks only)"))
+
+
+def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | None = None,
+                placements: Sequence[int] | Callable[[int], Sequence[int]] | None = None
+                ) -> TensorSpec:
+    """The spec of the tensor whose block on this rank is ``local`` (collective over
+    ``group``, default ``P``'s members; members of ``group`` outside ``P`` pass anything).
+
+    ``placements`` as in :class:`~gpudist.spec.TensorSpec` (default: tensor dim ``i``
+    split along partition dim ``i``), or a function of the blocks' rank giving them (decided
+    after the exchange, so every rank decides alike). Raises the same error on every rank
+    if the blocks do not tile a tensor so placed, or disagree in dtype or device.
+    """
+    g = group if group is not None else P.group
+    ranks = g.ranks if g is not None else (P.world.rank,)
+    here = P.active
+    row = Row.make(f"shape:{what}", OK if here else ABSENT, stable_hash(P.key),
+                   local.dtype, local.device.type, tuple(local.shape) if here else None, None)
+    rows = exchange(g, row, what)
+    _same_program(rows, ranks, what)
+    members = [(r, x) for r, x in zip(ranks, rows) if x.status != ABSENT]
+    kinds = {(x.dtype, x.device) for x in rows}  # zero-volume blocks of non-members too
+    if len(kinds) > 1:
+        detail = ", ".join(f"rank {r}: {str(x.dtype).replace('torch.', '')} on {x.device}"
+                           for r, x in zip(ranks, rows))
+        raise raised_everywhere(DeviceError(f"{what}: blocks disagree in dtype or device "
+                                            f"({detail})"))
+    dims = {x.ndim for _, x in members}
+    nd = next(iter(dims)) if len(dims) == 1 else local.dim()
+    if callable(placements):
+        placements = placements(nd)
+    if len(dims) > 1 or (placements is None and dims != {P.dim}):
+        have = f"{nd}" if len(dims) == 1 else f"{sorted(dims)}"
+        raise raised_everywhere(ShapeError(
+            f"{what}: blocks have {have} dimensions but the partition has {P.dim} (partition "
+            f"{P.shape}; pass a DistTensor to say how a tensor of another rank is placed)"))
+    pl = tuple(range(P.dim)) if placements is None else tuple(placements)
+    shapes = {P.coords_of(P.ranks.index(r)): x.local for r, x in members}
+    origin = (0,) * P.dim
+    glob = []
+    for d in range(nd):
+        axis = next((i for i, p in enumerate(pl) if p == d), None)
+        if axis is None:
+            glob.append(shapes[origin][d])
+        else:
+            glob.append(sum(shapes[tuple(c if b == axis else 0 for b in range(P.dim))][d]
+                            for c in range(P.shape[axis])))
+    dtype, dev = kinds.pop() if kinds else (local.dtype, local.device.type)
+    spec = TensorSpec(P, tuple(glob), dtype, dev, pl)
+    for c, s in sorted(shapes.items()):
+        if spec.local_shape_of(c) != s:
+            r = P.world_rank_of(c)
+            raise raised_everywhere(ShapeError(
+                f"{what}: the blocks over partition {P.shape} are not a block decomposition of "
+                f"a tensor: rank {r} holds a block of shape {s} at coords {c}, but a tensor of "
+                f"global shape "
+                f"{tuple(glob)} gives it {spec.local_shape_of(c)}"))
+    return spec
+
+
+def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
+           local_ok: bool, ranks: Sequence[int] | None = None) -> None:
+    """Check, across ``group``, that every rank runs the same operator (``what`` and its
+    ``config`` hash) on the same ``spec``, and that every block matches it."""
+    if group is None or group.size == 1:
+        if not local_ok:
+            raise raised_everywhere(ShapeError(f"{what}: this rank's block does not match "
+                                               f"{spec.describe() if spec else 'its spec'}"))
+        return
+    row = Row.make(what, OK if local_ok else BAD_BLOCK, config,
+                   spec.dtype if spec else None, spec.device_type if spec else "cpu",
+                   None, spec.global_shape if spec else None,
+                   spec.fingerprint if spec else 0)
+    rows = exchange(group, row, what)
+    _same_program(rows, group.ranks, what)
+    specs = {(x.spec_hash, x.dtype, x.device, x.glob) for x in rows}
+    if len(specs) > 1:
+        detail = "; ".join(f"rank {r}: {x.describe()} [partition/spec {x.spec_hash:#x}]"
+                           for r, x in zip(group.ranks, rows))
+        raise raised_everywhere(MismatchError(
+            f"{what}: ranks disagree about the tensor ({detail}): dtype, global shape, "
+            f"device or partition differ"))
+    bad = [r for r, x in zip(group.ranks, rows) if x.status != OK]
+    if bad:
+        raise raised_everywhere(ShapeError(
+            f"{what}: the block on rank(s) {bad} does not match the tensor "
+            f"{spec.describe() if spec else ''} (each rank's error says what it holds)"))

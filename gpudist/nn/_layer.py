@@ -1,0 +1,187 @@
+"""What every gpudist layer shares.
+
+:class:`DistributedModule` takes a :class:`~gpudist.spec.DistTensor` (or a plain local
+block, whose spec is found once per local shape by a metadata exchange over the layer's
+participants), looks up the plan for that spec (made at the first call: every rank
+computes it from the spec alone, so a bad configuration raises the same error
+everywhere), checks the block, and runs the layer inside the control plane's failure
+scope. A DistTensor in gives a DistTensor out; a plain tensor gives a plain tensor.
+
+:class:`ShardedParameters` gives layers whose parameters are blocks of global tensors the
+global (sequential) state dict both ways, and stamps per-rank state dicts with their
+layout so they refuse to load into another one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..buffers import LRU
+from ..errors import ShapeError, planning_error, raised_everywhere
+from ..meta import derive_spec
+from ..partition import Partition
+from ..primitives import Repartition
+from ..spec import DistTensor, TensorSpec
+from ._params import block
+
+
+def per_dim(name: str, layer: str, value, n: int, kind: type = int,
+            allow_none: bool = False) -> tuple | None:
+    """An int (or float) or a sequence of 1 or ``n`` of them -> ``n``-tuple (torch's rule)."""
+    if value is None and allow_none:
+        return None
+    vals = list(value) if isinstance(value, (list, tuple)) else [value]
+    ok = len(vals) in (1, n) and all(
+        not isinstance(v, bool) and isinstance(v, (int, float) if kind is float else int)
+        for v in vals)
+    if not ok:
+        raise raised_everywhere(ValueError(
+            f"{layer}: {name} must be a single {kind.__name__} or a tuple of {n} "
+            f"{kind.__name__}s (one per spatial dim), got {value!r}"))
+    return tuple(kind(v) for v in vals) * (n if len(vals) == 1 else 1)
+
+
+class DistributedModule(torch.nn.Module):
+    """Base of the layers (see the module docstring). Subclasses implement
+    ``make_plan(spec) -> plan with .out`` and ``run(local, plan) -> local``."""
+
+    def setup(self, P_in: Partition, participants: Sequence[int]) -> None:
+        self.P_in = P_in
+        self.world = P_in.world
+        ranks = sorted({int(r) for r in participants})
+        self.participants = tuple(ranks)
+        g = self.world.transport.group(ranks) if len(ranks) > 1 else None  # collective
+        self.part_group = g if self.world.rank in ranks else None
+        self._plans = LRU(self.world.cache_size)
+        self._plain = LRU(self.world.cache_size)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def spec_of(self, x: torch.Tensor) -> TensorSpec:
+        """The spec of a plain block: derived over the participants once per local shape
+        (every call where some participant holds no block to tell a change by)."""
+        key = (tuple(x.shape), x.dtype, x.device.type)
+        covers = set(self.participants) <= set(self.P_in.ranks)
+        sp = self._plain.get(key) if covers else None
+        if sp is None:
+            sp = derive_spec(self.P_in, x, self.name, self.part_group)
+            if covers:
+                self._plain.get_or_make(key, lambda: sp)
+        return sp
+
+    def plan(self, spec: TensorSpec):
+        """The layer's plan for input ``spec`` (cached, LRU)."""
+        if spec.partition != self.P_in:
+            raise raised_everywhere(ShapeError(
+                f"{self.name}: the input is distributed over partition {spec.partition.shape}"
+                f" of ranks {list(spec.partition.ranks)}, the layer over {self.P_in.shape} of "
+                f"ranks {list(self.P_in.ranks)}"))
+        try:
+            return self._plans.get_or_make(spec, lambda: self.make_plan(spec))
+        except Exception as e:
+            planning_error(e)
+            raise
+
+    def forward(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
+        with self.world.control.scope(self.name):
+            dist_in = isinstance(x, DistTensor)
+            local = x.local if dist_in else x
+            if not dist_in and self.world.rank not in self.participants:
+                return local
+            spec = x.spec if dist_in else self.spec_of(local)
+            plan = self.plan(spec)
+            local = spec.adopt(local)
+            spec.check_local(local, self.name)
+            if self.world.rank in self.participants:
+                y = self.run(local, plan)
+            else:
+                y = local.new_zeros(plan.out.local_shape)
+                y = y + local.sum() * 0 if local.requires_grad else y
+            return DistTensor(y, plan.out, check=False) if dist_in else y
+
+    def make_plan(self, spec: TensorSpec):
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, plan) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ShardedParameters:
+    """State dicts of a layer whose parameters are blocks of global tensors.
+
+    ``self.homes``: parameter/buffer name -> (partition holding its blocks, global shape);
+    ``self.root``: the one-worker partition the global state dict lands on.
+    """
+
+    homes: dict[str, tuple[Partition, tuple[int, ...]]]
+    root: Partition
+
+    def _collectors(self) -> dict[str, Repartition]:
+        c = getattr(self, "_collect", None)
+        if c is None:  # world-collective: made once, in the same order on every rank
+            c = {k: Repartition(P, Partition(self.root.ranks, (1,) * P.dim, P.world))
+                 for k, (P, _) in self.homes.items()}
+            object.__setattr__(self, "_collect", c)
+        return c
+
+    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's blocks of a sequential layer's state dict (every rank passes
+        the same one)."""
+        with torch.no_grad():
+            for k, (P, shape) in self.homes.items():
+                if k not in sd:
+                    continue
+                t = sd[k]
+                if tuple(t.shape) != tuple(shape):
+                    raise raised_everywhere(ShapeError(
+                        f"{type(self).__name__}.load_global_state_dict: {k} has shape "
+                        f"{tuple(t.shape)}, the layer's is {tuple(shape)}"))
+                p = getattr(self, k)
+                p.data = block(t, P).to(p)
+
+    def _gathered(self, pick) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, op in self._collectors().items():
+            p = getattr(self, k)
+            if p is None:
+                continue
+            v = op(pick(p))
+            if self.root.active:
+                out[k] = v
+        return out
+
+    def global_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the sequential layer's state dict on the root worker, ``{}``
+        elsewhere."""
+        return self._gathered(lambda p: p.detach())
+
+    def global_grads(self) -> dict[str, torch.Tensor]:
+        """Collective: the full gradients on the root worker, ``{}`` elsewhere."""
+        return self._gathered(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+    # -- per-rank checkpoints carry their layout ------------------------------------------
+    def layout(self) -> dict:
+        w = self.root.world
+        return {"rank": w.rank, "world_size": w.size,
+                "blocks": {k: (list(P.ranks), list(P.shape), list(shape))
+                           for k, (P, shape) in self.homes.items()}}
+
+    def get_extra_state(self) -> dict:
+        return {"gpudist_layout": self.layout()}
+
+    def set_extra_state(self, state) -> None:
+        saved = (state or {}).get("gpudist_layout")
+        mine = self.layout()
+        if saved is not None and saved != mine:
+            diff = [k for k in ("rank", "world_size", "blocks") if saved.get(k) != mine[k]]
+            raise ShapeError(
+                f"{type(self).__name__}: this per-rank state dict was saved by rank "
+                f"{saved.get('rank')} of {saved.get('world_size')} with parameter blocks "
+                f"{saved.get('blocks')}; here it is rank {mine['rank']} of "
+                f"{mine['world_size']} with {mine['blocks']} (differs in: {', '.join(diff)}). "
+                f"Per-rank checkpoints load only into the same layout; use "
+                f"global_state_dict() / load_global_state_dict() to move between layouts")

@@ -1,0 +1,392 @@
+"""The distributed tensor value: a local block plus the spec every rank agrees on.
+
+:class:`TensorSpec` is a small frozen value (partition, global shape, dtype, device type):
+every rank of the program holds the same one, so every rank can compute every worker's
+block shape, and the operators that consume a tensor plan their communication without
+asking anyone (no metadata collective in steady state).
+
+:class:`DistTensor` pairs a spec with this rank's block (``local``, a plain tensor: autograd
+sees only plain tensors). Primitives and layers take and return it; point-wise torch
+functions (``F.relu``, ``torch.tanh``, ``x + y``, ...) apply to the blocks and keep the spec;
+anything whose meaning depends on the partition (a reduction, a reshape) is refused with a
+message saying what to use instead.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from .decomposition import Decomposition, block_range
+from .errors import ShapeError, raised_everywhere
+from .partition import Partition
+
+DTYPES = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
+    torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    return DTYPES[code] if 0 <= code < len(DTYPES) else None
+
+
+def stable_hash(obj: object) -> int:
+    """A hash that is the same in every process (31 bits)."""
+    return zlib.crc32(repr(obj).encode()) & 0x7FFFFFFF
+
+
+REPLICATE = -1  # placement: every worker along this partition dim holds the whole extent
+PARTIAL = -2    # placement: ... holds a whole-extent summand (the tensor is their sum)
+
+
+def placement_name(p: int) -> str:
+    return "R" if p == REPLICATE else "P" if p == PARTIAL else f"S({p})"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What every rank knows about a distributed tensor.
+
+    ``placements`` has one entry per partition dimension: a tensor dimension ``d >= 0``
+    that this partition dimension splits into balanced blocks (remainder to the lowest
+    indices), :data:`REPLICATE` or :data:`PARTIAL`. The default (partition and tensor of
+    the same rank) splits tensor dim ``i`` along partition dim ``i``: the layout between
+    layers. A partition dimension of extent 1 is stored as ``REPLICATE`` whatever it was
+    given as (its one worker holds the whole extent either way), so equal layouts compare
+    equal.
+    """
+
+    partition: Partition
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype = field(default=torch.float32)
+    device_type: str = "cpu"
+    placements: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        g = tuple(int(s) for s in self.global_shape)
+        object.__setattr__(self, "global_shape", g)
+        P = self.partition
+        pl = self.placements
+        if pl is None:
+            if len(g) != P.dim:
+                raise raised_everywhere(ShapeError(
+                    f"global shape {g} has {len(g)} dimensions but partition {P.shape} has "
+                    f"{P.dim}: give placements, or a tensor with one dimension per partition "
+                    f"dimension"))
+            pl = tuple(range(P.dim))
+        pl = tuple(REPLICATE if P.shape[i] == 1 else int(p) for i, p in enumerate(pl))
+        object.__setattr__(self, "placements", pl)
+        if any(s < 0 for s in g) or len(pl) != P.dim:
+            raise raised_everywhere(ShapeError(
+                f"global shape {g} with placements {pl} does not fit partition {P.shape}"))
+        shards = [p for p in pl if p >= 0]
+        if len(set(shards)) != len(shards) or any(p >= len(g) for p in shards) or any(
+                p < PARTIAL for p in pl):
+            raise raised_everywhere(ShapeError(
+                f"placements {[placement_name(p) for p in pl]} of a tensor of shape {g}: "
+                f"each tensor dimension may be split by one partition dimension"))
+
+    # -- blocks ---------------------------------------------------------------------
+    @property
+    def standard(self) -> bool:
+        """Tensor dim ``i`` split along partition dim ``i`` (or not split at all)."""
+        return len(self.global_shape) == self.partition.dim and all(
+            p in (i, REPLICATE) and (p == i or self.partition.shape[i] == 1)
+            for i, p in enumerate(self.placements))
+
+    @cached_property
+    def decomposition(self) -> Decomposition:
+        if not self.standard:
+            raise ShapeError(f"a tensor with placements {self.placements} has no standard "
+                             f"block decomposition")
+        return Decomposition(self.global_shape, self.partition.shape)
+
+    def local_shape_of(self, coords: Sequence[int]) -> tuple[int, ...]:
+        """The block shape of the worker at partition ``coords``."""
+        shape = list(self.global_shape)
+        for i, p in enumerate(self.placements):
+            if p >= 0:
+                lo, hi = block_range(self.global_shape[p], self.partition.shape[i], coords[i])
+                shape[p] = hi - lo
+        return tuple(shape)
+
+    def local_start_of(self, coords: Sequence[int]) -> tuple[int, ...]:
+        start = [0] * len(self.global_shape)
+        for i, p in enumerate(self.placements):
+            if p >= 0:
+                start[p] = block_range(self.global_shape[p], self.partition.shape[i],
+                                       coords[i])[0]
+        return tuple(start)
+
+    @cached_property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's block shape (all zeros when the rank is not in the partition)."""
+        if not self.partition.active:
+            return (0,) * self.ndim
+        return self.local_shape_of(self.partition.coords)
+
+    @cached_property
+    def local_start(self) -> tuple[int, ...]:
+        if not self.partition.active:
+            return (0,) * self.ndim
+        return self.local_start_of(self.partition.coords)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.global_shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    # -- values ---------------------------------------------------------------------
+    def replace(self, **changes) -> TensorSpec:
+        if "partition" in changes and "placements" not in changes and \
+                changes["partition"].dim != self.partition.dim:
+            changes["placements"] = None
+        return replace(self, **changes)
+
+    @cached_property
+    def fingerprint(self) -> int:
+        return stable_hash((self.partition.key, self.global_shape, str(self.dtype),
+                            self.device_type, self.placements))
+
+    def describe(self) -> str:
+        P = self.partition
+        pl = "" if self.standard else \
+            f" placed {'/'.join(placement_name(p) for p in self.placements)}"
+        return (f"{self.global_shape} {str(self.dtype).replace('torch.', '')} on "
+                f"{self.device_type} over partition {P.shape} of ranks {list(P.ranks)}{pl}")
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return (tuple(t.shape) == self.local_shape and t.dtype == self.dtype
+                and t.device.type == self.device_type)
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as this rank's block: a rank outside the partition may pass any
+        zero-volume tensor (it is reshaped to the spec's all-zero shape)."""
+        if not self.partition.active and t.numel() == 0 and tuple(t.shape) != self.local_shape:
+            return t.reshape(self.local_shape)
+        return t
+
+    def check_local(self, t: torch.Tensor, what: str) -> None:
+        """Raise :class:`ShapeError` if ``t`` is not this rank's block of the spec."""
+        if self.matches(t):
+            return
+        rank = self.partition.world.rank
+        raise ShapeError(
+            f"{what}: rank {rank} holds a block of shape {tuple(t.shape)}, "
+            f"{str(t.dtype).replace('torch.', '')} on {t.device.type}, but the tensor is "
+            f"{self.describe()}, whose block here is {self.local_shape} "
+            f"{str(self.dtype).replace('torch.', '')} on {self.device_type}")
+
+    @classmethod
+    def of(cls, t: torch.Tensor, partition: Partition, global_shape: Sequence[int],
+           placements: Sequence[int] | None = None) -> TensorSpec:
+        return cls(partition, tuple(global_shape), t.dtype, t.device.type,
+                   None if placements is None else tuple(placements))
+
+
+# --------------------------------------------------------------------------- the value
+_UNARY = {
+    F.relu, torch.relu, F.relu6, F.gelu, F.silu, F.elu, F.selu, F.celu, F.leaky_relu,
+    F.hardtanh, F.softplus, F.mish, F.hardswish, F.hardsigmoid, F.tanh, F.sigmoid, F.logsigmoid,
+    torch.tanh, torch.sigmoid, torch.exp, torch.abs, torch.neg, torch.square, torch.sqrt,
+    torch.sin, torch.cos, torch.log, torch.clamp, torch.relu_, F.relu_, torch.nn.functional.dropout,
+    torch.Tensor.relu, torch.Tensor.tanh, torch.Tensor.sigmoid, torch.Tensor.exp,
+    torch.Tensor.abs, torch.Tensor.neg, torch.Tensor.clamp, torch.Tensor.square,
+    torch.Tensor.sqrt, torch.Tensor.relu_, torch.Tensor.float, torch.Tensor.double,
+    torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.contiguous, torch.Tensor.clone,
+    torch.clone,
+}
+_BINARY = {
+    torch.add, torch.sub, torch.mul, torch.div, torch.maximum, torch.minimum,
+    torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div,
+    torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+    torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__,
+    torch.Tensor.__rtruediv__, torch.Tensor.add_, torch.Tensor.mul_, torch.Tensor.sub_,
+    torch.Tensor.div_,
+}
+
+
+class DistTensor:
+    """A tensor distributed over ``spec.partition``: this rank's block ``local`` + ``spec``.
+
+    Inactive ranks hold a zero-volume ``local``. Build one with :meth:`from_local` (the
+    global shape given, or found once by a metadata exchange), or get one from
+    :func:`gpudist.distribute`, a primitive or a layer.
+    """
+
+    __slots__ = ("local", "spec")
+
+    def __init__(self, local: torch.Tensor, spec: TensorSpec, *, check: bool = True) -> None:
+        if check:
+            spec.check_local(local, "DistTensor")
+        self.local, self.spec = local, spec
+
+    @classmethod
+    def from_local(cls, local: torch.Tensor, partition: Partition,
+                   global_shape: Sequence[int] | None = None) -> DistTensor:
+        """Wrap this rank's block. Without ``global_shape`` the blocks' shapes are
+        exchanged over ``partition`` once (collective) and checked to tile a tensor."""
+        if global_shape is None:
+            from .meta import derive_spec
+
+            return cls(local, derive_spec(partition, local, "DistTensor.from_local"))
+        if not partition.active and local.numel() == 0:
+            local = local.reshape((0,) * len(tuple(global_shape)))
+        return cls(local, TensorSpec.of(local, partition, global_shape))
+
+    # -- what it is ------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return torch.Size(self.spec.global_shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def partition(self) -> Partition:
+        return self.spec.partition
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def ndim(self) -> int:
+        return self.spec.ndim
+
+    def dim(self) -> int:
+        return self.spec.ndim
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.local.requires_grad
+
+    @property
+    def grad(self) -> DistTensor | None:
+        g = self.local.grad
+        return None if g is None else DistTensor(g, self.spec, check=False)
+
+    def requires_grad_(self, flag: bool = True) -> DistTensor:
+        self.local.requires_grad_(flag)
+        return self
+
+    def detach(self) -> DistTensor:
+        return DistTensor(self.local.detach(), self.spec, check=False)
+
+    def to(self, *args, **kwargs) -> DistTensor:
+        t = self.local.to(*args, **kwargs)
+        return DistTensor(t, self.spec.replace(dtype=t.dtype, device_type=t.device.type),
+                          check=False)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> DistTensor:
+        """Flatten dims ``start_dim..end_dim``: allowed when the blocks stay the balanced
+        blocks of the flattened dim (only its first dim split, into equal parts, or all
+        later dims of extent 1); otherwise repartition first."""
+        sp, n = self.spec, self.spec.ndim
+        a, b = start_dim % n, end_dim % n
+        if a == b:
+            return self
+        P, g = sp.partition, sp.global_shape
+        if any(P.shape[d] != 1 for d in range(a + 1, b + 1)):
+            raise raised_everywhere(ShapeError(
+                f"DistTensor.flatten({start_dim}, {end_dim}): partition {P.shape} splits a "
+                f"dimension after the first flattened one; repartition first"))
+        inner = math.prod(g[a + 1:b + 1])
+        if inner != 1 and g[a] % P.shape[a] != 0:
+            raise raised_everywhere(ShapeError(
+                f"DistTensor.flatten({start_dim}, {end_dim}): {g[a]} entries of dim {a} over "
+                f"{P.shape[a]} workers are uneven blocks, and flattened they would not be "
+                f"the balanced blocks of {g[a] * inner}; repartition first"))
+        shape = P.shape[:a] + (P.shape[a],) + P.shape[b + 1:]
+        Q = P if shape == P.shape else P.reshape(shape)
+        gs = g[:a] + (g[a] * inner,) + g[b + 1:]
+        loc = self.local.flatten(a, b) if P.active else self.local.reshape((0,) * len(gs))
+        return DistTensor(loc, sp.replace(partition=Q, global_shape=gs))
+
+    def __repr__(self) -> str:
+        return f"DistTensor({self.spec.describe()}, local={tuple(self.local.shape)})"
+
+    # -- point-wise torch functions ---------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, DistTensor)]
+        spec = dts[0].spec
+        if func in _UNARY or func in _BINARY:
+            for d in dts[1:]:
+                if d.spec.partition != spec.partition or \
+                        d.spec.global_shape != spec.global_shape:
+                    raise raised_everywhere(ShapeError(
+                        f"{getattr(func, '__name__', func)}: operands are distributed "
+                        f"differently ({spec.describe()} vs {d.spec.describe()})"))
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.Tensor) and a.dim() > 0:
+                    raise raised_everywhere(TypeError(
+                        f"{getattr(func, '__name__', func)}: a DistTensor combines only with "
+                        f"DistTensors of the same distribution and with scalars, not with a "
+                        f"plain tensor of shape {tuple(a.shape)}"))
+
+            def unwrap(a):
+                return a.local if isinstance(a, DistTensor) else a
+
+            out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+            return DistTensor(out, spec.replace(dtype=out.dtype, device_type=out.device.type),
+                              check=False)
+        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
+        raise raised_everywhere(TypeError(
+            f"gpudist.DistTensor does not support {name}: its result would depend on how the "
+            f"tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
+            f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)"))
+
+    def _binary(self, func, other):
+        return DistTensor.__torch_function__(func, (DistTensor,), (self, other))
+
+    def __add__(self, o):
+        return self._binary(torch.Tensor.__add__, o)
+
+    def __radd__(self, o):
+        return self._binary(torch.Tensor.__radd__, o)
+
+    def __sub__(self, o):
+        return self._binary(torch.Tensor.__sub__, o)
+
+    def __rsub__(self, o):
+        return self._binary(torch.Tensor.__rsub__, o)
+
+    def __mul__(self, o):
+        return self._binary(torch.Tensor.__mul__, o)
+
+    def __rmul__(self, o):
+        return self._binary(torch.Tensor.__rmul__, o)
+
+    def __truediv__(self, o):
+        return self._binary(torch.Tensor.__truediv__, o)
+
+    def __neg__(self):
+        return DistTensor.__torch_function__(torch.neg, (DistTensor,), (self,))
+
+    def relu(self) -> DistTensor:
+        return DistTensor.__torch_function__(torch.relu, (DistTensor,), (self,))
+
+
+def local_of(x: DistTensor | torch.Tensor) -> torch.Tensor:
+    return x.local if isinstance(x, DistTensor) else x
