@@ -150,17 +150,17 @@ def run(args, world) -> list[dict]:
     def g_op_adj():
         H(xg).backward(dy)
 
-    res.update(timer.time({"g_op": g_op, "g_opa": g_op_adj, "r_pk": raw_pack,
-                           "r_pka": lambda: (raw_pack(), raw_pack(True)),
-                           "r_in": raw_inplace,
-                           "r_ina": lambda: (raw_inplace(), raw_inplace(True))}))
+    res.update(timer.time({"g_op": g_op, "g_opa": g_op_adj, "r_pk2": raw_pack,
+                           "r_pka2": lambda: (raw_pack(), raw_pack(True)),
+                           "r_in2": raw_inplace,
+                           "r_ina2": lambda: (raw_inplace(), raw_inplace(True))}))
     bar.update()
     bar.close()
     tot_bytes = timer.max_over_ranks([float(halo_bytes)])[0]
     for mode, g, rp, ri in (("exchange", "g_ex", "r_pk", "r_in"),
                             ("exchange+adjoint", "g_exa", "r_pka", "r_ina"),
-                            ("operator", "g_op", "r_pk", "r_in"),
-                            ("operator fwd+adj", "g_opa", "r_pka", "r_ina")):
+                            ("operator", "g_op", "r_pk2", "r_in2"),
+                            ("operator fwd+adj", "g_opa", "r_pka2", "r_ina2")):
         tg, tp, ti = res[g]["median_s"], res[rp]["median_s"], res[ri]["median_s"]
         rows.append({
             "case": "halo", "backend": world.backend, "ranks": n, "partition": f"1x1x{ph}x{pw}",

@@ -147,13 +147,17 @@ class Control:
         total = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         next_abort, next_diag = t0 + ABORT_FIRST_CHECK_S, t0 + self.diag_after
-        nap, published, ok = 0.0, False, False
+        nap, published, ok, polls = 0.0, False, False, 0
         try:
             while True:
+                polls += 1
                 if block is not None:
                     block(0.01)
-                elif spin:
-                    time.sleep(0)
+                elif spin:  # drive the progress engine; yield the core, nap when long
+                    if polls < 20000:
+                        os.sched_yield()
+                    else:
+                        time.sleep(1e-4)
                 else:
                     time.sleep(nap)
                     nap = min(1e-3, nap * 2 + 1e-5)

@@ -45,6 +45,10 @@ class HaloExchange(Primitive):
     ``padding`` argument; a worker with nothing to exchange, trim or pad then gets its
     block back untouched (no copy). Bad configurations raise :class:`HaloError` on every
     rank.
+
+    ``owns_gradient=True`` (for layers whose local op is the result's only consumer): the
+    adjoint works in place on the incoming gradient where it covers the whole buffer,
+    saving a copy of the block.
     """
 
     name = "HaloExchange"
@@ -61,6 +65,7 @@ class HaloExchange(Primitive):
         pad_value: float | None = None,
         op_padding: bool = False,
         packer: str | None = None,
+        owns_gradient: bool = False,
     ) -> None:
         if op_padding and pad_value is None:
             raise raised_everywhere(ValueError("HaloExchange: op_padding=True needs a "
@@ -68,6 +73,7 @@ class HaloExchange(Primitive):
         self.P_x = P_x
         self.params = (kernel_size, stride, padding, dilation)
         self.pad_value, self.op_padding, self.packer = pad_value, op_padding, packer
+        self.owns_gradient = owns_gradient
         fixed = geometry is not None and not callable(geometry)
         self._geometry: GeometryFn | None = (
             (lambda spec, geo=tuple(geometry): geo) if fixed else geometry)
@@ -125,6 +131,10 @@ class HaloExchange(Primitive):
         hp: HaloPlan = plan.local
         if hp.passthrough:
             return dy
+        if (self.owns_gradient and not hp.only_padding and dy.is_contiguous()
+                and hp.out_box == tuple((0, n) for n in hp.work_shape)):
+            hp.exchange_adjoint_(dy)  # the gradient is ours: no copy
+            return hp.bulk(dy)
         G = self.buffers.get("grad", hp.work_shape, dy.dtype, dy.device)
         if hp.only_padding:  # the gradient of padding goes nowhere
             G.zero_()

@@ -64,6 +64,48 @@ def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+@dataclass(frozen=True)
+class _Move:
+    """One step of one direction, precomputed: boxes to pack into the send buffer (at
+    ``pack_at``), messages as (in place?, offset, count, peer, tag) -- offsets into ``W``
+    for contiguous runs, into the buffers otherwise -- and boxes to unpack (or add)."""
+
+    step: int
+    pack: tuple[Box, ...]
+    pack_at: int
+    pack_n: int
+    sends: tuple[tuple[bool, int, int, int, int], ...]
+    recvs: tuple[tuple[bool, int, int, int, int], ...]
+    unpack: tuple[Box, ...]
+    unpack_at: int
+    unpack_n: int
+    add: bool
+    label: str
+
+    @classmethod
+    def make(cls, k: int, st: Step, out: tuple[Box, Box], inn: tuple[Box, Box], tag: int,
+             add: bool, shape: Sequence[int]) -> _Move:
+        n_o, n_i = (numel(out[0]), numel(out[1])), (numel(inn[0]), numel(inn[1]))
+        o_run = [run_offset(b, shape) for b in out]
+        i_run = [None, None] if add else [run_offset(b, shape) for b in inn]
+        pack = [i for i in range(2) if n_o[i] and o_run[i] is None]
+        unpack = [i for i in range(2) if n_i[i] and i_run[i] is None]
+        sends, recvs = [], []
+        for i, peer in enumerate(st.peers):  # to the left travels with tag+1, right with tag
+            at = n_o[0] if i else 0
+            if n_o[i]:
+                run = o_run[i] is not None
+                sends.append((run, o_run[i] if run else at, n_o[i], peer, tag + (1 - i)))
+            at = n_i[0] if i else 0
+            if n_i[i]:
+                run = i_run[i] is not None
+                recvs.append((run, i_run[i] if run else at, n_i[i], peer, tag + i))
+        return cls(k, tuple(out[i] for i in pack), n_o[0] if pack == [1] else 0,
+                   sum(n_o[i] for i in pack), tuple(sends), tuple(recvs),
+                   tuple(inn[i] for i in unpack), n_i[0] if unpack == [1] else 0,
+                   sum(n_i[i] for i in unpack), add, f"halo exchange of dim {st.dim}")
+
+
 class HaloPlan:
     """Everything one (active) worker needs to exchange halos of one global shape.
 
@@ -147,6 +189,8 @@ class HaloPlan:
         self.passthrough = not self.steps and not self.only_padding and \
             self.bulk_box == self.out_box == tuple((0, n) for n in self.work_shape)
         self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._progs: dict[tuple, list[_Move]] = {}
+        self._packers: dict[tuple, Packer] = {}
         # the slabs of global padding the buffer holds, and W minus out_box (zeroed in the
         # adjoint before the gradient is written)
         self.pad_slabs = _slabs(self.work_shape, tuple(
@@ -173,64 +217,66 @@ class HaloPlan:
     # -- the operator, in place ------------------------------------------------------------
     def exchange_(self, W: torch.Tensor) -> torch.Tensor:
         """H in place: fill the halos of ``W`` (bulk already written). Returns ``W``."""
-        for k, st in enumerate(self.steps):
-            self._transfer(W, st, k, st.send, st.recv, add=False)
+        for move in self._moves(W, adjoint=False):
+            self._transfer(W, move)
         return W
 
     def exchange_adjoint_(self, W: torch.Tensor) -> torch.Tensor:
         """H* in place: add the halos of ``W`` into their owners' bulk. Returns ``W``."""
-        for k, st in reversed(list(enumerate(self.steps))):
-            self._transfer(W, st, k, st.recv, st.send, add=True)
+        for move in self._moves(W, adjoint=True):
+            self._transfer(W, move)
         return W
 
-    def _buffers(self, k: int, send: tuple[Box, Box], recv: tuple[Box, Box],
-                 W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (k, W.dtype, W.device)  # one pair per step, serving both directions
+    def _moves(self, W: torch.Tensor, adjoint: bool) -> list[_Move]:
+        """The steps' messages for buffers shaped like ``W``: forward sends ``send`` boxes
+        and overwrites ``recv`` boxes; the adjoint sends ``recv`` boxes back and adds what
+        arrives into ``send`` boxes (dimensions in reverse order). Made once per shape."""
+        key = (tuple(W.shape), W.dtype, W.device, adjoint)
+        moves = self._progs.get(key)
+        if moves is None:
+            moves = []
+            order = list(enumerate(self.steps))
+            for k, st in (reversed(order) if adjoint else order):
+                out, inn = (st.recv, st.send) if adjoint else (st.send, st.recv)
+                tag = self.tag + 4 * st.dim + (2 if adjoint else 0)
+                moves.append(_Move.make(k, st, out, inn, tag, adjoint, W.shape))
+            self._progs[key] = moves
+        return moves
+
+    def _buffers(self, move: _Move, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (move.step, W.dtype, W.device)  # one pair per step, serving both directions
         b = self._bufs.get(key)
         if b is None:
-            n = max(numel(send[0]) + numel(send[1]), numel(recv[0]) + numel(recv[1]))
+            st = self.steps[move.step]
+            n = max(numel(st.send[0]) + numel(st.send[1]), numel(st.recv[0]) + numel(st.recv[1]))
             b = (torch.empty(n, dtype=W.dtype, device=W.device),
                  torch.empty(n, dtype=W.dtype, device=W.device))
             self._bufs[key] = b
         return b
 
-    def _transfer(self, W: torch.Tensor, st: Step, k: int, send: tuple[Box, Box],
-                  recv: tuple[Box, Box], add: bool) -> None:
-        """Send the boxes ``send`` of ``W`` to the (left, right) neighbours and receive
-        theirs into ``recv``: overwriting (forward) or adding (``add``, the adjoint)."""
+    def _transfer(self, W: torch.Tensor, move: _Move) -> None:
+        """One step: pack what is not a contiguous run, send/receive, unpack (or add)."""
         flat = W.view(-1)
-        sbuf, rbuf = self._buffers(k, send, recv, W)
-        n_s, n_r = (numel(send[0]), numel(send[1])), (numel(recv[0]), numel(recv[1]))
-        s_run = [run_offset(b, W.shape) for b in send]
-        r_run = [None, None] if add else [run_offset(b, W.shape) for b in recv]
-        to_pack = [i for i in range(2) if n_s[i] and s_run[i] is None]
-        if to_pack:
-            boxes = [send[i] for i in to_pack]
-            at = n_s[0] if len(to_pack) == 1 and to_pack[0] else 0
-            out = sbuf[at:at + sum(n_s[i] for i in to_pack)]
-            self.packer(W).pack(W, boxes, out=out)
-        tag = self.tag + 4 * st.dim + (2 if add else 0)
-        ops: list[P2P] = []
-        for i, peer in enumerate(st.peers):  # to the left travels with tag+1, right with tag
-            if n_s[i]:
-                src = flat[s_run[i]:s_run[i] + n_s[i]] if s_run[i] is not None else \
-                    sbuf[(n_s[0] if i else 0):(n_s[0] if i else 0) + n_s[i]]
-                ops.append(P2P("send", src, peer, tag + (1 - i)))
-            if n_r[i]:
-                dst = flat[r_run[i]:r_run[i] + n_r[i]] if r_run[i] is not None else \
-                    rbuf[(n_r[0] if i else 0):(n_r[0] if i else 0) + n_r[i]]
-                ops.append(P2P("recv", dst, peer, tag + i))
+        sbuf, rbuf = self._buffers(move, W)
+        packer = self.packer(W)
         tr = self.P.world.transport
-        tr.wait(tr.batch_p2p(ops), f"halo exchange of dim {st.dim}")
-        to_unpack = [i for i in range(2) if n_r[i] and r_run[i] is None]
-        if to_unpack:
-            boxes = [recv[i] for i in to_unpack]
-            at = n_r[0] if len(to_unpack) == 1 and to_unpack[0] else 0
-            buf = rbuf[at:at + sum(n_r[i] for i in to_unpack)]
-            self.packer(W).unpack(buf, W, boxes, add=add)
+        works = tr.batch_p2p([P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
+                              for run, a, n, peer, tag in move.recvs])  # receives first
+        if move.pack:
+            packer.pack(W, move.pack, out=sbuf[move.pack_at:move.pack_at + move.pack_n])
+        works += tr.batch_p2p([P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
+                               for run, a, n, peer, tag in move.sends])
+        tr.wait(works, move.label)
+        if move.unpack:
+            packer.unpack(rbuf[move.unpack_at:move.unpack_at + move.unpack_n], W, move.unpack,
+                          add=move.add)
 
     def packer(self, t: torch.Tensor) -> Packer:
-        return get_packer(t.device, t.dtype, prefer=self.prefer)
+        key = (t.device, t.dtype)
+        p = self._packers.get(key)
+        if p is None:
+            p = self._packers[key] = get_packer(t.device, t.dtype, prefer=self.prefer)
+        return p
 
     def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
         """data_ptr of every cached send/receive buffer pair (to check reuse)."""

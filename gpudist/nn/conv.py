@@ -126,7 +126,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         self.x_bcast = Broadcast(self.Px_view, self.P_w)
         self.halo = HaloExchange(self.P_slice, (1, 1) + self.k, (1, 1) + self.s,
                                  ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
-                                 pad_value=0.0, op_padding=True)
+                                 pad_value=0.0, op_padding=True, owns_gradient=True)
         self.P_r5 = self.P_r.reshape((1, pco, pci) + (1,) * n)
         self.w_bcast = Broadcast(self.P_r5, self.P_w)
         self.P_wb = _ci0(self.P_w)  # the bias is added once: on the ci = 0 workers only

@@ -102,7 +102,8 @@ class _DistributedPoolNd(DistributedModule):
                 f"padding={self.p}, kernel_size={self.k}"))
         self.setup(P_x, P_x.ranks)
         fill = float("-inf") if self.kind == "max" else 0.0
-        self.halo = HaloExchange(P_x, geometry=self.geometry, pad_value=fill, op_padding=True)
+        self.halo = HaloExchange(P_x, geometry=self.geometry, pad_value=fill, op_padding=True,
+                                 owns_gradient=True)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.k}, stride={self.s}, padding={self.p}, "

@@ -124,19 +124,33 @@ class MPITransport(Transport):
         return comm, comm.Dup()
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
-        works = []
+        if not ops:
+            return []
+        reqs, back, byte = [], [], self.MPI.BYTE
         for o in ops:
-            key = ("p2p", o.op, o.peer, o.tag)
-            if o.op == "send":
-                buf, _ = self._src(key, o.tensor)
-                req = self.comm.Isend(buf, dest=o.peer, tag=o.tag)
-                works.append(self._work(req, f"send {tuple(o.tensor.shape)} to {o.peer}"))
+            t = o.tensor
+            if not t.is_cuda and not self.stage_all and t.is_contiguous():
+                buf, staged = [t.view(torch.uint8).numpy(), byte], t  # the common case
+            elif o.op == "send":
+                buf, staged = self._src(("p2p", o.op, o.peer, o.tag), t)
             else:
-                buf, s = self._dst(key, o.tensor)
-                req = self.comm.Irecv(buf, source=o.peer, tag=o.tag)
-                works.append(self._work(req, f"receive {tuple(o.tensor.shape)} from {o.peer}",
-                                        s, o.tensor))
-        return works
+                buf, staged = self._dst(("p2p", o.op, o.peer, o.tag), t)
+            if o.op == "send":
+                reqs.append(self.comm.Isend(buf, dest=o.peer, tag=o.tag))
+            else:
+                reqs.append(self.comm.Irecv(buf, source=o.peer, tag=o.tag))
+                if staged is not t:
+                    back.append((staged, t))
+
+        def done() -> bool:
+            return self.MPI.Request.Testall(reqs)
+
+        def finish() -> None:
+            for staged, t in back:
+                t.copy_(staged)
+
+        what = f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+        return [Work(what, done, finish if back else None, spin=True)]
 
     def broadcast(self, tensor, src, group):
         key = ("bcast", group.ranks, src)
