@@ -29,11 +29,12 @@ def _refs(t: torch.Tensor) -> int:
 
 
 class BufferPool:
-    """Reusable tensors, at most ``per_key`` alive per key (more are allocated fresh)."""
+    """Reusable tensors, at most ``per_key`` alive per key (more are allocated fresh), for
+    the ``max_keys`` most recently used keys (older shapes are dropped)."""
 
-    def __init__(self, per_key: int = 2) -> None:
-        self.per_key = per_key
-        self._bufs: dict[tuple, list[tuple[torch.Tensor, int]]] = {}
+    def __init__(self, per_key: int = 2, max_keys: int = 32) -> None:
+        self.per_key, self.max_keys = per_key, max_keys
+        self._bufs: OrderedDict[tuple, list[tuple[torch.Tensor, int]]] = OrderedDict()
         self.allocations = 0
 
     def get(self, name: object, shape: Sequence[int], dtype: torch.dtype,
@@ -42,7 +43,13 @@ class BufferPool:
         """A tensor of ``shape``; ``init`` runs once on a newly allocated buffer."""
         shape = tuple(int(s) for s in shape)
         key = (name, shape, dtype, device)
-        slot = self._bufs.setdefault(key, [])
+        slot = self._bufs.get(key)
+        if slot is None:
+            slot = self._bufs[key] = []
+            while len(self._bufs) > self.max_keys:
+                self._bufs.popitem(last=False)
+        else:
+            self._bufs.move_to_end(key)
         if _use_count is not None:
             for base, refs in slot:
                 if _refs(base) == refs:  # only the pool holds it

@@ -39,16 +39,15 @@ DEFAULT_DIAG_AFTER_S = float(os.environ.get("GPUDIST_DIAG_AFTER", "2.0"))
 
 @dataclass(frozen=True)
 class Op:
-    """One operator instance on one group: ``seq`` counts the group's operators."""
+    """One operator instance on one group: ``seq`` counts the group's operators;
+    ``needs_all``: it cannot complete without every member (a collective; a halo exchange
+    needs only neighbours)."""
 
     group: tuple[int, ...]
     seq: int
     what: str
     fingerprint: int
-
-    def as_json(self, since: float) -> str:
-        return json.dumps({"group": list(self.group), "seq": self.seq, "what": self.what,
-                           "fp": self.fingerprint, "since": since})
+    needs_all: bool = True
 
 
 class Control:
@@ -119,12 +118,13 @@ class Control:
 
     # -- operator numbering ---------------------------------------------------------------
     @contextmanager
-    def op(self, group: Sequence[int], what: str, fingerprint: int = 0) -> Iterator[Op]:
+    def op(self, group: Sequence[int], what: str, fingerprint: int = 0,
+           needs_all: bool = True) -> Iterator[Op]:
         """Number one operator on ``group`` (every member calls it, in program order)."""
         key = tuple(group)
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
-        prev, self._op = self._op, Op(key, seq, what, fingerprint)
+        prev, self._op = self._op, Op(key, seq, what, fingerprint, needs_all)
         try:
             yield self._op
         finally:
@@ -184,9 +184,15 @@ class Control:
     def _publish(self, op: Op | None, since: float) -> None:
         if self.store is None:
             return
+        if op is None:
+            state = {"idle": True}
+        else:
+            state = {"group": list(op.group), "seq": op.seq, "what": op.what,
+                     "fp": op.fingerprint, "needs_all": op.needs_all,
+                     "waited": time.monotonic() - since,
+                     "counts": [[list(g), n] for g, n in self._seq.items()]}
         try:
-            self.store.set(f"state/{self.rank}",
-                           op.as_json(since) if op is not None else json.dumps({"idle": True}))
+            self.store.set(f"state/{self.rank}", json.dumps(state))
         except Exception:
             pass
 
@@ -210,16 +216,37 @@ class Control:
             return
         self._publish(op, since)
         for r, st in self._peer_states(op.group).items():
-            if not st or "group" not in st or tuple(st["group"]) != op.group:
+            if not st or "group" not in st:
                 continue
-            if st["seq"] == op.seq and st["fp"] != op.fingerprint:
-                err = MismatchError(
-                    f"ranks disagree at operator #{op.seq} of group {list(op.group)}: "
-                    f"rank {self.rank} runs {op.what}, rank {r} runs {st['what']} (programs "
-                    f"that differ between ranks: a layer skipped or added on some ranks, or "
-                    f"a shape change seen by some ranks only)")
-                self.abort(err, what)
-                raise err
+            same_group = tuple(st["group"]) == op.group
+            if same_group and st["seq"] == op.seq and st["fp"] != op.fingerprint:
+                self._mismatch(what, f"ranks disagree at operator #{op.seq} of group "
+                                     f"{list(op.group)}: rank {self.rank} runs {op.what}, "
+                                     f"rank {r} runs {st['what']}")
+            if not same_group and self._deadlocked(op, st):
+                self._mismatch(what, f"rank {self.rank} waits for rank {r} in {op.what} "
+                                     f"(operator #{op.seq} of group {list(op.group)}), while "
+                                     f"rank {r} waits in {st['what']} (operator #{st['seq']} "
+                                     f"of group {st['group']}), which needs this rank, who has "
+                                     f"not reached it")
+
+    def _deadlocked(self, op: Op, st: dict) -> bool:
+        """A peer blocked in a collective I have not reached, while it has not reached
+        mine: neither can ever complete."""
+        g = tuple(st["group"])
+        if not st.get("needs_all") or self.rank not in g:
+            return False
+        if self._seq.get(g, 0) >= st["seq"]:
+            return False  # I have been there
+        theirs = {tuple(k): n for k, n in st.get("counts", [])}
+        return theirs.get(op.group, 0) < op.seq and st.get("waited", 0) >= self.diag_after
+
+    def _mismatch(self, what: str, text: str) -> None:
+        err = MismatchError(
+            f"{text} (programs that differ between ranks: a layer or partition skipped or "
+            f"added on some ranks, or a shape change seen by some ranks only)")
+        self.abort(err, what)
+        raise err
 
     def _timeout_message(self, what: str, total: float) -> str:
         op = self._op

@@ -110,10 +110,14 @@ def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
     kinds = {(x.name, x.config) for x in rows}
     if len(kinds) > 1:
         detail = "; ".join(f"rank {r}: {x.describe()}" for r, x in zip(ranks, rows))
-        raise raised_everywhere(MismatchError(
+        err = MismatchError(
             f"{what}: ranks run different operators at the same point of the program "
             f"({detail}): the program differs between ranks (a layer or partition created, "
-            f"skipped or called on some ranks only)"))
+            f"skipped or called on some ranks only)")
+        from .runtime import require_world
+
+        require_world(None).control.abort(err, what)  # the programs diverged: no way on
+        raise err
 
 
 def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | None = None,

@@ -9,6 +9,7 @@ group: the only process-wide state gpudist keeps.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -246,6 +247,7 @@ def init(
                    launch, control, max(1, cache))
     if launch.size > 1:
         _install_excepthook()
+        atexit.register(_at_exit)
     return _WORLD
 
 
@@ -316,6 +318,15 @@ def _excepthook(kind, value, tb) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+
+
+def _at_exit() -> None:
+    """A rank leaving without :func:`finalize` ends the world: its peers would otherwise
+    wait for it until the timeout."""
+    w = _WORLD
+    if w is not None and w.control.aborted is None:
+        w.control.abort(RuntimeError(f"rank {w.rank} exited without gpudist.finalize()"),
+                        "interpreter exit")
 
 
 def _install_excepthook() -> None:

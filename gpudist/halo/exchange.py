@@ -52,6 +52,7 @@ class HaloExchange(Primitive):
     """
 
     name = "HaloExchange"
+    collective = False  # only neighbours take part in each message
 
     def __init__(
         self,

@@ -76,6 +76,7 @@ class Primitive(torch.nn.Module):
     """A linear data movement F with its adjoint F* (see the module docstring)."""
 
     name = "primitive"
+    collective = True  # needs every participant to complete (a halo exchange does not)
 
     def __init__(self, world: World, participants: Sequence[int], config: object) -> None:
         super().__init__()
@@ -85,10 +86,12 @@ class Primitive(torch.nn.Module):
         g = world.transport.group(ranks) if len(ranks) > 1 else None  # world-collective
         self.group: Group | None = g if world.rank in ranks else None
         self.member = world.rank in ranks
-        self.config = stable_hash((self.name, config))
+        # the n-th primitive these ranks build: two identical layers are still told apart
+        self.uid = world.next_uid(("primitive", self.participants))
+        self.config = stable_hash((self.name, config, self.uid))
         self._plans: LRU = LRU(world.cache_size)
         self._plain: LRU = LRU(world.cache_size)
-        self.buffers = BufferPool()
+        self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
     in_partition: Partition
@@ -185,15 +188,20 @@ class Primitive(torch.nn.Module):
         return _LinearOp.apply(self, plan, local)
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
-        with self.world.control.op(self.participants, f"{self.name} forward",
-                                   plan.fingerprint):
+        with self.world.control.op(self.participants, f"{self.label} forward",
+                                   plan.fingerprint, self.collective):
             return self.forward(x, plan)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         with self.world.control.scope(f"{self.name} adjoint"), \
-                self.world.control.op(self.participants, f"{self.name} adjoint",
-                                      plan.fingerprint + 1):
+                self.world.control.op(self.participants, f"{self.label} adjoint",
+                                      plan.fingerprint + 1, self.collective):
             return self.adjoint(dy, plan)
+
+    @property
+    def label(self) -> str:
+        """Name and instance: the n-th primitive built on these ranks (for messages)."""
+        return f"{self.name} #{self.uid}"
 
     def extra_repr(self) -> str:
         return f"participants={list(self.participants)}"

@@ -145,26 +145,28 @@ class Transport(ABC):
         return g
 
     def _agree_on(self, key: tuple[int, ...]) -> None:
-        from ..errors import MismatchError, raised_everywhere
+        """Every rank is about to make the same communicator (a metadata exchange over the
+        world, in the same row format as every other, so it meets any of them)."""
+        from ..errors import MismatchError
+        from ..meta import Row, exchange
         from ..spec import stable_hash
 
-        n = len(self._groups)
-        row = torch.tensor([n, stable_hash(key), len(key), key[0], key[-1]], dtype=torch.int64)
-        out = torch.empty(self.size * 5, dtype=torch.int64)
-        world = Group(tuple(range(self.size)), None, self.world_meta)
-        what = f"creating the communicator of ranks {list(key)}"
-        if self.control is not None:
-            with self.control.op(world.ranks, what, 0x47525550):
-                self.wait([self.meta_all_gather(out, row, world)], what)
-        else:
-            self.wait([self.meta_all_gather(out, row, world)], what)
-        rows = out.view(self.size, 5).tolist()
-        if len({tuple(r[1:]) for r in rows}) > 1 or len({r[0] for r in rows}) > 1:
-            detail = "; ".join(f"rank {i}: communicator #{r[0] + 1}, {r[2]} ranks {r[3]}..{r[4]}"
-                               for i, r in enumerate(rows))
-            raise raised_everywhere(MismatchError(
-                f"ranks create different communicators ({detail}): partitions and primitives "
-                f"must be built by every rank, in the same order"))
+        world = self._groups[tuple(range(self.size))]
+        row = Row.make("communicator", 1, stable_hash(key), None, "cpu",
+                       (len(self._groups), len(key), key[0], key[-1]), None)
+        rows = exchange(world, row, f"creating the communicator of ranks {list(key)}")
+        if len({tuple(r.v) for r in rows}) > 1:
+            detail = "; ".join(
+                f"rank {i}: {r.name} #{r.local[0]} of {r.local[1]} ranks {r.local[2]}.."
+                f"{r.local[3]}" if r.name == "communicator" else f"rank {i}: {r.describe()}"
+                for i, r in enumerate(rows))
+            err = MismatchError(
+                f"ranks create different communicators, or one creates a communicator while "
+                f"another runs an operator ({detail}): partitions and primitives must be "
+                f"built by every rank, in the same order")
+            if self.control is not None:  # the programs diverged: the world cannot go on
+                self.control.abort(err, "creating a communicator")
+            raise err
 
     @abstractmethod
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:

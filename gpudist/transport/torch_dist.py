@@ -30,7 +30,14 @@ from .base import P2P, Group, Staging, Transport, Work
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _backend_error(e: BaseException, what: str) -> BaseException:
+def _backend_error(e: BaseException, what: str, control=None) -> BaseException:
+    """The gpudist error for a backend failure: the failure a peer posted, if any (its
+    exit is what broke the connection), else what the backend said."""
+    if control is not None:
+        try:
+            control.poll_abort(what)
+        except Exception as posted:  # noqa: BLE001 - the peer's own error says more
+            return posted
     text = str(e)
     if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
         return CommTimeout(f"{what}: a peer closed its connection (it exited, crashed or "
@@ -132,7 +139,7 @@ class TorchDistTransport(Transport):
             try:
                 w.wait()
             except RuntimeError as e:
-                raise _backend_error(e, what) from e
+                raise _backend_error(e, what, self.control) from e
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
@@ -176,7 +183,7 @@ class TorchDistTransport(Transport):
 
         def finish_gloo() -> None:
             if pending.error is not None:
-                raise _backend_error(pending.error, what) from pending.error
+                raise _backend_error(pending.error, what, self.control) from pending.error
             copy_back()
 
         return [Work(what, pending.event.is_set, finish_gloo, block=pending.event.wait)]
@@ -215,7 +222,7 @@ class TorchDistTransport(Transport):
                 try:
                     w.wait()
                 except RuntimeError as e:
-                    raise _backend_error(e, what) from e
+                    raise _backend_error(e, what, self.control) from e
                 out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
 
             return Work(what, w.is_completed, finish)

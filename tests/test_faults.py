@@ -1,0 +1,261 @@
+"""Failures reach every rank within seconds, as errors that name the rank and the problem;
+programs that disagree between ranks are found out instead of hanging (issue #15).
+
+The rank pools run with a 60 s communication timeout: every case here must end far below it.
+Cases that abort their world also end their pool (the next test starts a fresh one).
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gpudist
+import gpudist.nn as gnn
+from gpudist import DistTensor, Partition, TensorSpec
+from gpudist.primitives import AllSumReduce, Repartition, collect, distribute
+from tests.conftest import BACKENDS, HAS_MPI
+from tests.harness import ROOT, mpiexec
+
+FAST = 15.0  # seconds: far below the pools' 60 s timeout
+
+
+def _conv(P):
+    torch.manual_seed(0)
+    return gnn.DistributedConv1d(P, 2, 2, 3, padding=1, dtype=torch.float64)
+
+
+def _x(P, n=4):
+    w = gpudist.world()
+    g = torch.Generator().manual_seed(w.rank)
+    loc = torch.randn(2, 2, n, generator=g, dtype=torch.float64) if P.active else \
+        torch.zeros(0, 0, 0, dtype=torch.float64)
+    return DistTensor.from_local(loc, P, (2, 2, n * P.size))
+
+
+def _run_timed(cluster, n, fn, *args, backend="gloo"):
+    t0 = time.monotonic()
+    errs = cluster.run(n, fn, *args, backend=backend, expect_error=True, timeout=120)
+    return errs, time.monotonic() - t0
+
+
+# ------------------------------------------------------------------ a rank fails
+def _lying_block():
+    """Rank 1's block does not match the spec (after the plan exists): a local error."""
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    x = _x(P)
+    conv(x)  # the plan (and the first-call check) exist now
+    if gpudist.world().rank == 1:
+        x = DistTensor(torch.zeros(2, 2, 5, dtype=torch.float64), x.spec, check=False)
+    conv(x)
+    conv(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_error_reaches_every_rank(cluster, backend):
+    errs, secs = _run_timed(cluster, 3, _lying_block, backend=backend)
+    assert errs[1] is not None and errs[1].type == "ShapeError", errs[1]
+    assert "rank 1 holds a block of shape (2, 2, 5)" in errs[1].message
+    for r in (0, 2):
+        assert errs[r] is not None and errs[r].type == "RemoteError", errs[r]
+        assert "rank 1 failed with ShapeError" in errs[r].message, errs[r].message
+    assert secs < FAST, secs
+
+
+def _catch_and_go_on():
+    """Rank 1 catches its gpudist error and carries on: its next call fails at once (the
+    world is aborted), and its peers are told who failed."""
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    x = _x(P)
+    conv(x)
+    if gpudist.world().rank == 1:
+        bad = DistTensor(torch.zeros(2, 2, 5, dtype=torch.float64), x.spec, check=False)
+        try:
+            conv(bad)
+        except gpudist.ShapeError:
+            pass
+    conv(x)
+
+
+def test_caught_error_still_ends_the_world(cluster):
+    errs, secs = _run_timed(cluster, 3, _catch_and_go_on)
+    assert errs[1].type == "WorldAborted" and "ShapeError" in errs[1].message, errs[1]
+    assert all(errs[r].type == "RemoteError" and "rank 1" in errs[r].message for r in (0, 2))
+    assert secs < FAST, secs
+
+
+# ------------------------------------------------------------------ programs that disagree
+def _skip_layer():
+    P = Partition.grid((1, 1, 3))
+    c1, c2 = _conv(P), _conv(P)
+    x = _x(P)
+    c2(c1(x))  # both planned
+    if gpudist.world().rank != 2:
+        x = c1(x)
+    c2(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipped_layer_is_a_mismatch(cluster, backend):
+    errs, secs = _run_timed(cluster, 3, _skip_layer, backend=backend)
+    assert all(e is not None for e in errs), errs
+    kinds = {e.type for e in errs}
+    assert kinds <= {"MismatchError", "RemoteError"} and "MismatchError" in str(
+        [e.message for e in errs]), errs
+    assert secs < FAST, secs
+
+
+def _extra_partition(then_collective):
+    w = gpudist.world()
+    if w.rank == 1:
+        Partition([0, 2], (2,))  # only rank 1 builds this one
+    if then_collective:  # the others go straight into a collective
+        P = Partition.grid((3,))
+        AllSumReduce(P, [0])(torch.ones(3, dtype=torch.float64))
+    else:
+        Partition([1, 2], (2,))
+
+
+@pytest.mark.parametrize("then_collective", [False, True])
+def test_extra_partition_is_a_mismatch(cluster, then_collective):
+    errs, secs = _run_timed(cluster, 3, _extra_partition, then_collective)
+    assert all(e is not None for e in errs), errs
+    text = " ".join(e.message for e in errs)
+    assert "MismatchError" in str([e.type for e in errs]) or "Mismatch" in text, errs
+    if not then_collective:  # met at the next communicator: every rank says the same
+        assert all(e.type == "MismatchError" and "different communicators" in e.message
+                   for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _shape_change_some_ranks():
+    """Plain local blocks: H 8 -> 9 over 2 workers changes only rank 0's block (4 -> 5)."""
+    P = Partition.grid((1, 1, 2))
+    conv = _conv(P)
+    r = gpudist.world().rank
+    for n in (8, 9):
+        loc = torch.randn(2, 2, (n + 1 - r) // 2, dtype=torch.float64)
+        conv(loc)
+
+
+def test_shape_change_seen_by_some_ranks(cluster):
+    errs, secs = _run_timed(cluster, 2, _shape_change_some_ranks)
+    assert all(e is not None for e in errs), errs
+    assert any(e.type == "MismatchError" and "shape change" in e.message for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _dtype_mismatch():
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    x = _x(P)
+    if gpudist.world().rank == 0:
+        conv.float()
+        x = x.to(torch.float32)
+    conv(x)
+
+
+def test_dtype_mismatch_is_an_error_everywhere(cluster):
+    errs, secs = _run_timed(cluster, 3, _dtype_mismatch)
+    assert all(e is not None and e.type == "MismatchError" and "float32" in e.message
+               and "float64" in e.message for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _lying_global_shape():
+    """Every block right, but rank 2 says the tensor is wider than it is."""
+    P = Partition.grid((3,))
+    w = gpudist.world()
+    g = (9,) if w.rank != 2 else (10,)
+    x = DistTensor(torch.zeros(3, dtype=torch.float64), TensorSpec(P, (9,), torch.float64),
+                   check=False)
+    x = DistTensor(x.local, TensorSpec(P, g, torch.float64), check=False)
+    Repartition(P, Partition.root(1))(x)
+
+
+def test_lying_spec_is_an_error_everywhere(cluster):
+    errs, secs = _run_timed(cluster, 3, _lying_global_shape)
+    assert all(e is not None and e.type in ("MismatchError", "ShapeError") for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _collect_vs_distribute():
+    P, root = Partition.grid((3,)), Partition.root(1)
+    t = torch.zeros(3, dtype=torch.float64)
+    if gpudist.world().rank == 0:
+        collect(DistTensor.from_local(t[:3], P, (9,)), P, root)
+    else:
+        distribute(t[:0], root, P, (9,))
+
+
+def test_collect_against_distribute(cluster):
+    errs, secs = _run_timed(cluster, 3, _collect_vs_distribute)
+    assert all(e is not None and e.type == "MismatchError" for e in errs), errs
+    assert "different operators" in errs[0].message
+    assert secs < FAST, secs
+
+
+# ------------------------------------------------------------------ state and numbers
+def _checkpoint_swap(path):
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    w = gpudist.world()
+    torch.save(conv.state_dict(), f"{path}/rank{w.rank}.pt")
+    w.transport.barrier()
+    other = torch.load(f"{path}/rank{(w.rank + 1) % w.size}.pt")
+    conv.load_state_dict(other)
+
+
+def test_per_rank_checkpoint_refuses_another_layout(cluster, tmp_path):
+    errs = cluster.run(3, _checkpoint_swap, str(tmp_path), expect_error=True)
+    assert all(e is not None and e.type == "ShapeError" and "saved by rank" in e.message
+               for e in errs), errs
+
+
+def _bf16_sum():
+    P = Partition.grid((3,))
+    y = AllSumReduce(P, [0])(torch.full((5,), 1.5, dtype=torch.bfloat16))
+    return y.dtype == torch.bfloat16 and bool((y == 4.5).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_sums(cluster, backend):
+    assert all(cluster.run(3, _bf16_sum, backend=backend))
+
+
+# ------------------------------------------------------------------ real launchers
+def _launch(case, backend):
+    script = str(ROOT / "tests" / "fault_script.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if backend == "mpi":
+        cmd = [mpiexec(), "-n", "3", sys.executable, script, case, "--backend", "mpi"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "3", script, case, "--backend", "gloo"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return p, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", ["raise", "exit", "quit"])
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
+def test_failing_rank_under_a_launcher(case, backend):
+    """Under torchrun / mpiexec: one rank raises, exits, or leaves without finalize; the job
+    ends non-zero within seconds and the others' errors name rank 1."""
+    p, secs = _launch(case, backend)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "done" not in p.stdout, out  # nobody finished as if nothing happened
+    assert secs < 40, (secs, out)
+    if case == "raise":
+        assert "rank 1 gave up on purpose" in out, out
+    if case in ("raise", "quit"):  # the failing rank posted its error: the others name it
+        assert "rank 1 failed with" in out and "RemoteError" in out, out
+    elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers
+        assert "closed its connection" in out, out
