@@ -1,0 +1,209 @@
+"""The data path in steady state: no metadata collective, no allocation inside the
+primitives, no host synchronisation inside the layers, bounded caches, and the host
+staging path of backends that cannot take a tensor's memory (issues #13, #14, #15, #16)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gpudist
+import gpudist.nn as gnn
+from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
+from gpudist.halo import HaloExchange
+from gpudist.primitives import (
+    AllGather,
+    AllSumReduce,
+    Broadcast,
+    ReduceScatter,
+    Repartition,
+    SumReduce,
+)
+from tests.conftest import BACKENDS
+from tests.util import global_tensor
+
+
+class _Counter(TorchDispatchMode):
+    """Counts aten calls that allocate (an output on storage none of the inputs own) and
+    host synchronisations (``.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocs: list[str] = []
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        ins = set()
+        for a in list(args) + list(kwargs.values()):
+            for t in a if isinstance(a, (list, tuple)) else [a]:
+                if isinstance(t, torch.Tensor) and t.numel():
+                    ins.add(t.untyped_storage().data_ptr())
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() and \
+                    t.untyped_storage().data_ptr() not in ins:
+                self.allocs.append(str(func))
+        return out
+
+
+class _Net(torch.nn.Module):
+    """conv -> relu -> pool -> repartition to features -> linear; DistTensors between."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.P = Partition.grid((1, 1, n, 1))
+        self.Pf = Partition([0], (1, 1, 1, 1))
+        self.Pin, self.Pw = Partition([0], (1, 1)), Partition.grid((1, 1))
+        torch.manual_seed(0)
+        self.conv = gnn.DistributedConv2d(self.P, 2, 4, 3, padding=1, dtype=torch.float64)
+        self.bn = gnn.DistributedBatchNorm(self.P, 4, dtype=torch.float64)
+        self.pool = gnn.DistributedMaxPool2d(self.P, 2)
+        self.to_features = Repartition(self.P, self.Pf)
+        self.fc = gnn.DistributedLinear(self.Pin, self.Pin, self.Pw, 4 * 4 * 4, 3,
+                                        dtype=torch.float64)
+        self.loss = gnn.DistributedLoss(self.Pin, "mse")
+
+    def forward(self, x):
+        y = self.pool(F.relu(self.bn(self.conv(x))))
+        y = self.to_features(y).flatten(1)
+        y = self.fc(y)
+        return self.loss(y, torch.zeros(y.local.shape, dtype=torch.float64))
+
+
+def _count_meta(steps=3):
+    w = gpudist.world()
+    net = _Net(w.size)
+    x = DistTensor.from_local(torch.randn(2, 2, 8 // w.size, 8, dtype=torch.float64), net.P,
+                              (2, 2, 8, 8))
+    calls = []
+    orig = w.transport.meta_all_gather
+
+    def counting(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    w.transport.meta_all_gather = counting
+    try:
+        net(x).backward()  # first call: plans made, checked across ranks
+        first = len(calls)
+        with _Counter() as c:
+            for _ in range(steps):
+                net(x).backward()
+    finally:
+        del w.transport.meta_all_gather
+    return first, len(calls) - first, c.syncs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_metadata_collective_in_steady_state(cluster, backend):
+    for first, later, syncs in cluster.run(4, _count_meta, backend=backend):
+        assert first > 0  # the counter sees the first call's checks
+        assert later == 0, later
+        assert syncs == 0, syncs  # no .item() inside forward/backward either
+
+
+def test_world_size_one_no_meta_no_sync(cluster):
+    (res,) = cluster.run(1, _count_meta)
+    assert res[1:] == (0, 0), res
+
+
+# ------------------------------------------------------------------ allocations
+def _primitive_cases(n):
+    P, root = Partition.grid((n,)), Partition.root(1)
+    f64 = torch.float64
+    return [
+        (Broadcast(root, P), TensorSpec(root, (6,), f64)),
+        (SumReduce(P, root), TensorSpec(P, (6,), f64, placements=(PARTIAL,))),
+        (AllSumReduce(P, [0]), TensorSpec(P, (6,), f64, placements=(PARTIAL,))),
+        (Repartition(Partition.grid((n, 1)), Partition.grid((1, n))),
+         TensorSpec(Partition.grid((n, 1)), (7, 5), f64)),
+        (AllGather(P, 0, 0), TensorSpec(P, (9,), f64)),
+        (ReduceScatter(P, 0, 0), TensorSpec(P, (9,), f64, placements=(PARTIAL,))),
+        (HaloExchange(Partition.grid((1, 1, n)), 3, padding=1, pad_value=0.0),
+         TensorSpec(Partition.grid((1, 1, n)), (2, 3, 4 * n), f64)),
+    ]
+
+
+def _allocations():
+    w = gpudist.world()
+    out = {}
+    for op, spec in _primitive_cases(w.size):
+        x = global_tensor(spec.local_shape, seed=w.rank)
+        plan = op.plan(spec)
+        y = op.apply(x, plan)
+        dy = torch.ones_like(y)
+        for _ in range(2):  # warm: buffers made
+            op.run_adjoint(dy, plan)
+            op.apply(x, plan)
+        with _Counter() as c:
+            for _ in range(3):
+                y = op.apply(x, plan)
+                op.run_adjoint(dy, plan)
+                del y
+        out[op.name] = c.allocs
+    return out
+
+
+def test_counter_sees_allocations_and_syncs():
+    with _Counter() as c:
+        a = torch.ones(3)
+        (a + 1).sum().item()
+    assert len(c.allocs) >= 2 and c.syncs == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_primitives_allocate_nothing_in_steady_state(cluster, backend):
+    for per_rank in cluster.run(4, _allocations, backend=backend):
+        assert all(v == [] for v in per_rank.values()), per_rank
+
+
+# ------------------------------------------------------------------ bounded caches
+def _many_shapes(n_shapes):
+    P = Partition.grid((1, 1, 2))
+    conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
+    for k in range(n_shapes):
+        x = DistTensor.from_local(torch.randn(1, 2, 4 + k), P, (1, 2, 2 * (4 + k)))
+        conv(x).local.sum().backward()
+    w = gpudist.world()
+    return (len(conv._plans), len(conv.halo._plans), len(conv.halo.buffers._bufs),
+            w.cache_size, conv.halo.buffers.max_keys)
+
+
+def test_caches_are_bounded(cluster):
+    for plans, halo_plans, bufs, size, max_keys in cluster.run(2, _many_shapes, 20):
+        assert plans <= size and halo_plans <= size and bufs <= max_keys
+        assert size == 8  # the default (GPUDIST_PLAN_CACHE)
+
+
+# ------------------------------------------------------------------ host staging
+def _staged():
+    """Every tensor through the transport's staging buffers (as for CUDA tensors on gloo
+    or a host-only MPI): the same results, and the buffers are made once."""
+    w = gpudist.world()
+    tr = w.transport
+    tr.stage_all = True
+    try:
+        P = Partition.grid((1, 1, w.size))
+        G = global_tensor((2, 3, 5 * w.size), seed=3)
+        x = G[..., 5 * w.rank:5 * (w.rank + 1)].clone()
+        H = HaloExchange(P, 3, padding=1)
+        y = H(x)
+        ok = torch.equal(y, G[..., max(0, 5 * w.rank - 1):5 * (w.rank + 1) + 1])
+        s = AllSumReduce(Partition.grid((w.size,)), [0])(torch.full((4,), 1.0 + w.rank))
+        ok = ok and bool((s == sum(range(1, w.size + 1))).all())
+        before = tr.staging.allocations
+        for _ in range(3):
+            H(x)
+        return ok, tr.staging.allocations - before, before > 0
+    finally:
+        tr.stage_all = False
+        tr.staging.clear()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_staging_path(cluster, backend):
+    for ok, new, used in cluster.run(3, _staged, backend=backend):
+        assert ok and used and new == 0
