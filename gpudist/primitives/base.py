@@ -187,15 +187,11 @@ class Primitive(torch.nn.Module):
             return local
         return _LinearOp.apply(self, plan, local)
 
-    def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
-        with self.world.control.op(self.participants, f"{self.label} forward",
-                                   plan.fingerprint, self.collective):
-            return self.forward(x, plan)
-
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
-        with self.world.control.scope(f"{self.name} adjoint"), \
-                self.world.control.op(self.participants, f"{self.label} adjoint",
-                                      plan.fingerprint + 1, self.collective):
+        """F* on a gradient block, numbered and inside the failure scope (autograd's path)."""
+        c = self.world.control
+        with c.scope(f"{self.name} adjoint"), c.op(self.participants, f"{self.label} adjoint",
+                                                   plan.fingerprint + 1, self.collective):
             return self.adjoint(dy, plan)
 
     @property
@@ -213,7 +209,9 @@ class _LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor):  # type: ignore[override]
         ctx.op, ctx.plan = op, plan
-        return op.run_forward(x, plan)
+        with op.world.control.op(op.participants, f"{op.label} forward", plan.fingerprint,
+                                 op.collective):
+            return op.forward(x, plan)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]

@@ -80,49 +80,35 @@ class FanPlan:
 
     def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
-        me, tr = self.world.rank, self.world.transport
-        works = []
-
-        def send() -> None:
-            if self.mine_one is not None and self.mine_one.group is not None:
-                works.append(tr.broadcast(x, me, self.mine_one.group))
-
-        def receive() -> None:
-            f = self.mine_many
-            if f is not None and f.one != me:
-                works.append(tr.broadcast(out, f.one, f.group))
-
-        for step in ((send, receive) if self.one_first else (receive, send)):
-            step()
+        me, tr, works = self.world.rank, self.world.transport, []
+        one, many = self.mine_one, self.mine_many
+        sends = one is not None and one.group is not None
+        recvs = many is not None and many.one != me
+        for part in (("send", "recv") if self.one_first else ("recv", "send")):
+            if part == "send" and sends:
+                works.append(tr.broadcast(x, me, one.group))
+            elif part == "recv" and recvs:
+                works.append(tr.broadcast(out, many.one, many.group))
         tr.wait(works)
-        if self.mine_many is not None and self.mine_many.one == me:
-            return x
-        return out
+        return x if many is not None and many.one == me else out
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None, scratch: torch.Tensor | None
                ) -> torch.Tensor | None:
         """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``."""
-        me, tr = self.world.rank, self.world.transport
-        works = []
-
-        def send() -> None:
-            f = self.mine_many
-            if f is not None and f.one != me and f.group is not None:
+        me, tr, works = self.world.rank, self.world.transport, []
+        one, many = self.mine_one, self.mine_many
+        sends = many is not None and many.one != me and many.group is not None
+        for part in (("recv", "send") if self.one_first else ("send", "recv")):
+            if part == "send" and sends:
                 scratch.copy_(x)  # the backend may use it as scratch
-                works.append(tr.reduce(scratch, f.one, f.group))
-
-        def receive() -> None:
-            f = self.mine_one
-            if f is not None:
-                if me in f.many:
+                works.append(tr.reduce(scratch, many.one, many.group))
+            elif part == "recv" and one is not None:
+                if me in one.many:
                     out.copy_(x)
                 else:
                     out.zero_()
-                if f.group is not None:
-                    works.append(tr.reduce(out, me, f.group))
-
-        for step in ((receive, send) if self.one_first else (send, receive)):
-            step()
+                if one.group is not None:
+                    works.append(tr.reduce(out, me, one.group))
         tr.wait(works)
         return out
 
