@@ -231,8 +231,9 @@ class DistTensor:
     __slots__ = ("local", "spec")
 
     def __init__(self, local: torch.Tensor, spec: TensorSpec, *, check: bool = True) -> None:
-        if check:
-            spec.check_local(local, "DistTensor")
+        if check and not spec.matches(local):  # this rank's own error: tell the world
+            with spec.partition.world.control.scope("DistTensor"):
+                spec.check_local(local, "DistTensor")
         self.local, self.spec = local, spec
 
     @classmethod

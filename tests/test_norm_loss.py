@@ -1,0 +1,211 @@
+"""Batch norm options and the loss family against torch, in float64 (issues #15, #17)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpudist.nn as gnn
+from gpudist import DistTensor, Partition
+from tests.conftest import HAS_MPI
+from tests.util import block_of, gather, global_tensor, maxerr
+
+TOL = 1e-10
+
+
+# ------------------------------------------------------------------ batch norm
+def _bn_case(pshape, ranks, gshape, kw, steps=2, train=True):
+    """Distributed vs torch batch norm: outputs, input/parameter gradients, running
+    statistics after ``steps`` steps (training) and an eval step."""
+    torch.manual_seed(0)
+    P = Partition(ranks, pshape)
+    nd = len(gshape) - 2
+    seq = getattr(torch.nn, f"BatchNorm{nd}d")(gshape[1], dtype=torch.float64, **kw)
+    layer = gnn.DistributedBatchNorm(P, gshape[1], dtype=torch.float64, **kw)
+    with torch.no_grad():
+        if seq.weight is not None:
+            seq.weight.uniform_(0.5, 1.5)
+            seq.bias.uniform_(-1, 1)
+    layer.load_global_state_dict(seq.state_dict())
+    errs = {}
+    for step in range(steps):
+        G = global_tensor(gshape, seed=step) * 3 + 100  # a large mean: no cancellation
+        x = block_of(G, P).requires_grad_(True)
+        Gs = G.clone().requires_grad_(True)
+        layer.train(train)
+        seq.train(train)
+        y = layer(x)
+        Y = seq(Gs)
+        dY = global_tensor(Y.shape, seed=10 + step)
+        y.backward(block_of(dY, P))
+        Y.backward(dY)
+        yg, root = gather(y, P, Y.shape)
+        dxg, _ = gather(x.grad, P, G.shape)
+        grads = layer.global_grads()
+        if root.active:
+            errs[f"y{step}"] = maxerr(yg, Y.detach())
+            errs[f"dx{step}"] = maxerr(dxg, Gs.grad)
+            if seq.weight is not None:
+                errs[f"dw{step}"] = maxerr(grads["weight"], seq.weight.grad)
+                errs[f"db{step}"] = maxerr(grads["bias"], seq.bias.grad)
+        seq.zero_grad()
+        layer.zero_grad()
+    sd = layer.global_state_dict()
+    if sd:
+        ref = seq.state_dict()
+        for k in ("running_mean", "running_var", "num_batches_tracked"):
+            if k in ref:
+                errs[k] = maxerr(sd[k].double(), ref[k].double())
+        assert set(sd) == set(ref), (sorted(sd), sorted(ref))
+    return errs
+
+
+BN_CASES = [
+    # partition shape, ranks, global shape, options
+    ((2, 1, 2, 1), [0, 1, 2, 3], (5, 3, 7, 4), {}),
+    ((1, 2, 2, 1), [0, 1, 2, 3], (4, 5, 6, 3), {}),                   # channels split
+    ((2, 2, 1), [0, 1, 2, 3], (3, 5, 9), {"momentum": None}),         # cumulative average
+    ((1, 1, 3, 1), [1, 2, 3], (2, 4, 7, 5), {"affine": False}),       # rank 0 inactive
+    ((2, 1, 1, 2), [0, 1, 2, 3], (2, 3, 5, 6), {"track_running_stats": False}),
+    ((3, 1, 1, 1, 1), [0, 1, 2], (2, 2, 3, 4, 5), {}),                 # 3-D, an empty block
+]
+
+
+@pytest.mark.parametrize("case", BN_CASES, ids=lambda c: f"{c[0]}-{c[3]}")
+def test_batchnorm_options_equal_torch(cluster, case):
+    res = cluster.run(4, _bn_case, *case)
+    assert any(res), "the root reported nothing"
+    for errs in res:
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def test_batchnorm_eval_without_running_stats(cluster):
+    """track_running_stats=False: eval mode normalises with the batch's own statistics."""
+    res = cluster.run(4, _bn_case, (2, 1, 2, 1), [0, 1, 2, 3], (4, 3, 6, 4),
+                      {"track_running_stats": False}, 1, False)
+    assert all(v < TOL for r in res for v in r.values()) and any(res)
+
+
+def _bn_single_value():
+    P = Partition.grid((2, 1, 1, 1))
+    layer = gnn.DistributedBatchNorm(P, 3)
+    layer(DistTensor.from_local(torch.randn(1, 3, 1, 1) if P.index == 0 else
+                                torch.zeros(0, 3, 1, 1), P, (1, 3, 1, 1)))
+
+
+def test_batchnorm_one_value_per_channel_is_an_error(cluster):
+    errs = cluster.run(2, _bn_single_value, expect_error=True)
+    assert all(e is not None and "Expected more than 1 value per channel" in e.message
+               for e in errs), errs
+
+
+def _bn_float32_large_mean():
+    P = Partition.grid((2, 1, 1, 1))
+    G = (torch.randn(8, 2, 5, 5, generator=torch.Generator().manual_seed(0)) * 0.1 + 300)
+    layer = gnn.DistributedBatchNorm(P, 2)
+    y = layer(block_of(G, P))
+    Y = torch.nn.BatchNorm2d(2)(G)
+    yg, root = gather(y, P, Y.shape)
+    return maxerr(yg, Y.detach()) if root.active else 0.0
+
+
+def test_batchnorm_float32_large_mean(cluster):
+    assert max(cluster.run(2, _bn_float32_large_mean)) < 1e-3
+
+
+# ------------------------------------------------------------------ losses
+LOSS_CASES = [
+    # name, torch function, options, kind of input/target
+    ("mse", F.mse_loss, {}, "real"),
+    ("l1", F.l1_loss, {}, "real"),
+    ("smooth_l1", F.smooth_l1_loss, {"beta": 0.5}, "real"),
+    ("bce", F.binary_cross_entropy, {}, "prob"),
+    ("bce_with_logits", F.binary_cross_entropy_with_logits, {}, "logit"),
+    ("kl_div", F.kl_div, {}, "logprob"),
+    ("kl_div", F.kl_div, {"log_target": True}, "logprob2"),
+    ("poisson_nll", F.poisson_nll_loss, {"full": True}, "rate"),
+    ("cross_entropy", F.cross_entropy, {}, "class"),
+    ("cross_entropy", F.cross_entropy, {"label_smoothing": 0.1, "ignore_index": 2}, "class"),
+    ("nll", F.nll_loss, {"weight": torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)},
+     "classlog"),
+]
+
+
+def _data(kind, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    if kind == "prob":
+        x, t = torch.sigmoid(x), torch.rand(shape, generator=g, dtype=torch.float64)
+    elif kind == "logit":
+        t = torch.rand(shape, generator=g, dtype=torch.float64)
+    elif kind == "logprob":
+        x, t = F.log_softmax(x, 1), F.softmax(t, 1)
+    elif kind == "logprob2":
+        x, t = F.log_softmax(x, 1), F.log_softmax(t, 1)
+    elif kind == "rate":
+        t = torch.poisson(torch.rand(shape, generator=g, dtype=torch.float64) * 3, generator=g)
+    elif kind in ("class", "classlog"):
+        t = torch.randint(0, shape[1], (shape[0],) + shape[2:], generator=g)
+        if kind == "classlog":
+            x = F.log_softmax(x, 1)
+    return x, t
+
+
+def _loss_case(name, fn, opts, kind, reduction, pshape, gshape):
+    P = Partition.grid(pshape)
+    X, T = _data(kind, gshape, 5)
+    x = block_of(X, P).requires_grad_(True)
+    if kind in ("class", "classlog"):  # targets: the input's blocks without the class dim
+        from gpudist import Decomposition
+
+        sl = Decomposition(gshape, P.shape).global_slices(P.coords) if P.active else None
+        t = T[(sl[0],) + sl[2:]] if P.active else T[:0]
+    else:
+        t = block_of(T, P)
+    layer = gnn.DistributedLoss(P, name, reduction, **opts)
+    loss = layer(DistTensor.from_local(x, P, gshape), t)
+    Xs = X.clone().requires_grad_(True)
+    L = fn(Xs, T, reduction=reduction, **opts)
+    if reduction == "none":
+        dL = global_tensor(L.shape, seed=9)
+        if P.active:
+            dl = block_of(dL, Partition(P.ranks, P.shape[:1] + P.shape[2:])) \
+                if kind in ("class", "classlog") else block_of(dL, P)
+        else:
+            dl = torch.zeros(loss.local.shape, dtype=torch.float64)
+        loss.local.backward(dl)
+        L.backward(dL)
+        lg, root = gather(loss.local, loss.partition, L.shape)
+        value = maxerr(lg, L.detach()) if root.active else 0.0
+    else:
+        assert loss.dim() == 0  # a 0-dim loss on every rank: plain backward() everywhere
+        loss.backward()
+        L.backward()
+        root = Partition([P.ranks[0]], (1,) * P.dim)
+        value = abs(float(loss) - float(L)) if root.active else abs(float(loss))
+    dxg, root = gather(x.grad if x.grad is not None else torch.zeros_like(x), P, gshape)
+    return {"loss": value, "dx": maxerr(dxg, Xs.grad) if root.active else 0.0}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: f"{c[0]}-{c[3]}")
+def test_loss_equals_torch(cluster, case, reduction):
+    pshape, gshape = (2, 1, 2), (5, 4, 3)
+    for errs in cluster.run(4, _loss_case, *case, reduction, pshape, gshape):
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def test_kl_batchmean_and_mpi(cluster):
+    case = ("kl_div", F.kl_div, {}, "logprob")
+    for errs in cluster.run(4, _loss_case, *case, "batchmean", (2, 1, 2), (5, 4, 3),
+                            backend="mpi" if HAS_MPI else "gloo"):
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def _class_split_is_an_error():
+    gnn.DistributedLoss(Partition.grid((1, 2)), "cross_entropy")
+
+
+def test_classes_split_is_an_error(cluster):
+    errs = cluster.run(2, _class_split_is_an_error, expect_error=True)
+    assert all(e is not None and "class dimension" in e.message for e in errs), errs
