@@ -289,19 +289,13 @@ def test_bad_options_raise_on_every_rank(cluster):
                 torch.nn.Upsample(**opts)(x)
 
 
-def _non_neighbour():
+def test_input_beyond_the_neighbours(cluster):
     """align_corners down-sampling of 12 entries to 2 over 4 workers: worker 1's output
-    reads entry 11, owned by worker 3."""
-    P = Partition.grid((1, 1, 4))
-    layer = gnn.DistributedUpsample(P, size=2, mode="linear", align_corners=True)
-    layer(block_of(global_tensor((1, 1, 12)), P))
-
-
-def test_non_neighbour_need_is_a_halo_error_on_every_rank(cluster):
-    errs = cluster.run(WORLD, _non_neighbour, expect_error=True)
-    assert all(e is not None and e.type == "HaloError" for e in errs), errs
-    assert all("DistributedUpsample" in e.message and "beyond the direct neighbour" in e.message
-               for e in errs), errs[0].message
+    reads entry 11, owned by worker 3 (two workers away)."""
+    case = ((1, 1, 4), [0, 1, 2, 3], (1, 1, 12),
+            _up("linear", True, size=2))
+    res = cluster.run(WORLD, _equivalence, *case)
+    assert res[0]["y"] < TOL and res[0]["dx"] < TOL, res[0]
 
 
 def _float32_cases():
@@ -342,9 +336,10 @@ def test_geometry_from_intervals_errors():
         HaloGeometry.from_intervals(10, [(0, 4), (5, 8)], [(0, 5), (5, 10)])
     with pytest.raises(HaloError, match="outside"):
         HaloGeometry.from_intervals(10, [(0, 4), (4, 8)], [(0, 5), (5, 11)])
-    with pytest.raises(HaloError, match="beyond the direct neighbour"):
-        HaloGeometry.from_intervals(12, [(0, 1), (1, 2), (2, 2), (2, 2)],
+    # worker 1 needs entry 11, owned by worker 3: received from it directly
+    g = HaloGeometry.from_intervals(12, [(0, 1), (1, 2), (2, 2), (2, 2)],
                                     [(0, 1), (11, 12), (0, 0), (0, 0)])
+    assert g.worker(1).recv_from == ((3, (11, 12)),) and g.worker(3).send_to == ((1, (11, 12)),)
 
 
 def _fast_and_slow_paths():

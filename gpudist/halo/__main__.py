@@ -134,7 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(draw(geo))
     if a.png:
-        save_png(geo, a.png)
+        from pathlib import Path
+
+        try:
+            Path(a.png).parent.mkdir(parents=True, exist_ok=True)
+            save_png(geo, a.png)
+        except (OSError, ImportError) as e:
+            print(f"error: cannot write {a.png}: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {a.png}")
     return 0
 

@@ -22,9 +22,11 @@ The local operator then runs with padding 0 on ``[pad_l | halo_l | trimmed | hal
 :meth:`HaloGeometry.from_intervals` takes the per-worker output and needed ranges directly
 (operators that are not a sliding kernel, e.g. interpolation); the rest is the same.
 
-Halos come only from the direct neighbours: a configuration needing more is a
-:class:`~gpudist.errors.HaloError`, raised identically on every worker because every worker
-computes the whole geometry.
+Halos usually come from the direct neighbours; when a halo is wider than the neighbours'
+blocks (small blocks, a large kernel) the needed entries come straight from the workers
+further along that own them (``WorkerHalo.recv_from``/``send_to``). A kernel that does not
+fit the padded input is a :class:`~gpudist.errors.HaloError`, raised identically on every
+worker because every worker computes the whole geometry.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ class WorkerHalo:
 
     ``outputs``: its output range; ``bulk``: the input entries it owns; ``needed``: the input
     entries its outputs read, clipped to ``[0, n)``; ``halo_left``/``halo_right``: the parts of
-    ``needed`` owned by the left/right neighbour; ``trimmed``: the part it owns itself;
-    ``send_left``/``send_right``: the parts of its bulk its neighbours need (their halos);
-    ``work``: the smallest interval holding both bulk and needed (the exchange buffer).
+    ``needed`` owned by workers to the left/right; ``trimmed``: the part it owns itself;
+    ``send_left``/``send_right``: the parts of its bulk workers to the left/right need;
+    ``recv_from``/``send_to``: per other worker (index along this dimension), the interval
+    received from / sent to it -- usually the direct neighbours, further workers when a
+    halo is wider than their blocks; ``work``: the smallest interval holding both bulk and
+    needed (the exchange buffer).
     """
 
     index: int
@@ -65,6 +70,8 @@ class WorkerHalo:
     pad_left: int
     pad_right: int
     work: Interval
+    recv_from: tuple[tuple[int, Interval], ...] = ()
+    send_to: tuple[tuple[int, Interval], ...] = ()
 
     @property
     def n_outputs(self) -> int:
@@ -118,8 +125,13 @@ class WorkerHalo:
     @property
     def exchanges(self) -> bool:
         """Whether this worker sends or receives anything in this dimension."""
-        return any(_size(iv) for iv in (self.halo_left, self.halo_right,
-                                         self.send_left, self.send_right))
+        return bool(self.recv_from or self.send_to)
+
+    @property
+    def hops(self) -> int:
+        """How far the furthest worker it exchanges with is (1: direct neighbours only)."""
+        me = self.index
+        return max((abs(j - me) for j, _ in self.recv_from + self.send_to), default=0)
 
     def row(self) -> dict[str, object]:
         """A flat summary (for tables and tests)."""
@@ -138,8 +150,8 @@ class WorkerHalo:
 class HaloGeometry:
     """The halo geometry of one dimension over all ``workers`` (a value type).
 
-    Raises :class:`HaloError` if the kernel does not fit the padded input or if some worker
-    would need input from beyond its direct neighbours. ``axis`` only labels messages.
+    Raises :class:`HaloError` if the kernel does not fit the padded input. ``axis`` only
+    labels messages.
     """
 
     size: int
@@ -159,10 +171,9 @@ class HaloGeometry:
 
         ``outputs[i]``: worker ``i``'s output range (half-open; the ranges must tile
         ``[0, m)`` in worker order); ``needed[i]``: the input range its outputs read, inside
-        ``[0, size]`` (no global padding). Input bulks are block-balanced as usual and the
-        same neighbour rule applies (:class:`HaloError` if a worker needs more than its
-        direct neighbours own). For operators that are not a sliding kernel, e.g.
-        interpolation (:mod:`gpudist.nn.sampling`).
+        ``[0, size]`` (no global padding). Input bulks are block-balanced as usual. For
+        operators that are not a sliding kernel, e.g. interpolation
+        (:mod:`gpudist.nn.sampling`).
         """
         if len(outputs) != len(needed):
             raise HaloError(f"dimension {axis}: {len(outputs)} output intervals but "
@@ -246,51 +257,34 @@ class HaloGeometry:
 
     def _finish(self, outs: list[Interval], bulks: list[Interval], needs: list[Interval],
                 pads: list[tuple[int, int]], detail: str) -> None:
-        """Split each worker's needed range into halos and trimmed bulk, check that halos
-        come from the direct neighbours only, and set ``per_worker``."""
-        n, P, where = self.size, self.workers, f"dimension {self.axis}"
-        halos = []
-        for i, ((a, b), (i0, i1)) in enumerate(zip(needs, bulks)):
+        """Split each worker's needed range into halos and trimmed bulk, find who sends what
+        to whom (any worker along the dimension: direct neighbours, or further ones when a
+        halo is wider than their blocks), and set ``per_worker``."""
+        P = self.workers
+
+        def meet(a: Interval, b: Interval) -> Interval:
+            return (max(a[0], b[0]), min(a[1], b[1]))
+
+        per = []
+        for i in range(P):
+            (a, b), (i0, i1) = needs[i], bulks[i]
             hl = (a, min(b, i0)) if a < i0 else (i0, i0)
             hr = (max(a, i1), b) if b > i1 else (i1, i1)
             tr = (max(a, i0), min(b, i1))
             if tr[1] < tr[0]:
                 tr = (tr[0], tr[0])
-            halos.append((hl, tr, hr))
-            # halos must lie inside the direct neighbours' bulk
-            if _size(hl):
-                nb = bulks[i - 1] if i > 0 else (0, 0)
-                if i == 0 or hl[0] < nb[0]:
-                    raise HaloError(
-                        f"{where}: worker {i} of {P} needs a left halo of {_size(hl)} entries "
-                        f"(global [{hl[0]}, {hl[1]})) but its left neighbour owns only "
-                        f"{_size(nb)} (global [{nb[0]}, {nb[1]})): data from beyond the direct "
-                        f"neighbour ({detail}); use fewer workers or a larger input"
-                    )
-            if _size(hr):
-                nb = bulks[i + 1] if i + 1 < P else (n, n)
-                if i + 1 == P or hr[1] > nb[1]:
-                    raise HaloError(
-                        f"{where}: worker {i} of {P} needs a right halo of {_size(hr)} entries "
-                        f"(global [{hr[0]}, {hr[1]})) but its right neighbour owns only "
-                        f"{_size(nb)} (global [{nb[0]}, {nb[1]})): data from beyond the direct "
-                        f"neighbour ({detail}); use fewer workers or a larger input"
-                    )
-        per = []
-        for i in range(P):
-            hl, tr, hr = halos[i]
-            i0, i1 = bulks[i]
-            sl = halos[i - 1][2] if i > 0 else (i0, i0)  # left neighbour's right halo
-            sr = halos[i + 1][0] if i + 1 < P else (i1, i1)  # right neighbour's left halo
-            if not _size(sl):
-                sl = (i0, i0)
-            if not _size(sr):
-                sr = (i1, i1)
-            a, b = needs[i]
+            recv = tuple((j, meet(needs[i], bulks[j])) for j in range(P)
+                         if j != i and _size(meet(needs[i], bulks[j])))
+            send = tuple((j, meet(needs[j], bulks[i])) for j in range(P)
+                         if j != i and _size(meet(needs[j], bulks[i])))
+            left = [iv for j, iv in send if j < i]
+            right = [iv for j, iv in send if j > i]
+            sl = (i0, max(iv[1] for iv in left)) if left else (i0, i0)  # a prefix of the bulk
+            sr = (min(iv[0] for iv in right), i1) if right else (i1, i1)  # a suffix
             spans = [iv for iv in (needs[i], bulks[i]) if _size(iv)]
             work = (min(x[0] for x in spans), max(x[1] for x in spans)) if spans else (i0, i0)
             per.append(WorkerHalo(i, outs[i], bulks[i], (a, b), hl, tr, hr, sl, sr,
-                                  pads[i][0], pads[i][1], work))
+                                  pads[i][0], pads[i][1], work, recv, send))
         object.__setattr__(self, "per_worker", tuple(per))
 
     # -- whole-dimension facts ---------------------------------------------

@@ -33,12 +33,14 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True)
 class Step:
-    """One dimension's exchange for this worker (boxes in working-buffer coordinates)."""
+    """One dimension's exchange for this worker (boxes in working-buffer coordinates): per
+    peer along the dimension (world rank; usually the two neighbours), the box of my bulk
+    it needs and the box of my halo it owns."""
 
     dim: int
-    peers: tuple[int | None, int | None]  # world ranks of the left and right neighbours
-    send: tuple[Box, Box]  # (to left, to right): my bulk that they need
-    recv: tuple[Box, Box]  # (from left, from right): my halos
+    peers: tuple[int, ...]
+    send: tuple[Box, ...]
+    recv: tuple[Box, ...]
 
 
 def numel(box: Box) -> int:
@@ -66,44 +68,66 @@ def slices(box: Box) -> tuple[slice, ...]:
 
 @dataclass(frozen=True)
 class _Move:
-    """One step of one direction, precomputed: boxes to pack into the send buffer (at
-    ``pack_at``), messages as (in place?, offset, count, peer, tag) -- offsets into ``W``
-    for contiguous runs, into the buffers otherwise -- and boxes to unpack (or add)."""
+    """One step of one direction, precomputed: boxes to pack into the send buffer, messages
+    as (in place?, offset, count, peer, tag) -- offsets into ``W`` for contiguous runs, into
+    the send/receive buffers otherwise -- and boxes to unpack (or add) from the receive
+    buffer."""
 
     step: int
     pack: tuple[Box, ...]
-    pack_at: int
     pack_n: int
     sends: tuple[tuple[bool, int, int, int, int], ...]
     recvs: tuple[tuple[bool, int, int, int, int], ...]
-    unpack: tuple[Box, ...]
-    unpack_at: int
-    unpack_n: int
+    unpack: tuple[tuple[int, int, tuple[Box, ...]], ...]  # (offset, count, disjoint boxes)
     add: bool
     label: str
 
     @classmethod
-    def make(cls, k: int, st: Step, out: tuple[Box, Box], inn: tuple[Box, Box], tag: int,
+    def make(cls, k: int, st: Step, out: tuple[Box, ...], inn: tuple[Box, ...], tag: int,
              add: bool, shape: Sequence[int]) -> _Move:
-        n_o, n_i = (numel(out[0]), numel(out[1])), (numel(inn[0]), numel(inn[1]))
-        o_run = [run_offset(b, shape) for b in out]
-        i_run = [None, None] if add else [run_offset(b, shape) for b in inn]
-        pack = [i for i in range(2) if n_o[i] and o_run[i] is None]
-        unpack = [i for i in range(2) if n_i[i] and i_run[i] is None]
-        sends, recvs = [], []
-        for i, peer in enumerate(st.peers):  # to the left travels with tag+1, right with tag
-            at = n_o[0] if i else 0
-            if n_o[i]:
-                run = o_run[i] is not None
-                sends.append((run, o_run[i] if run else at, n_o[i], peer, tag + (1 - i)))
-            at = n_i[0] if i else 0
-            if n_i[i]:
-                run = i_run[i] is not None
-                recvs.append((run, i_run[i] if run else at, n_i[i], peer, tag + i))
-        return cls(k, tuple(out[i] for i in pack), n_o[0] if pack == [1] else 0,
-                   sum(n_o[i] for i in pack), tuple(sends), tuple(recvs),
-                   tuple(inn[i] for i in unpack), n_i[0] if unpack == [1] else 0,
-                   sum(n_i[i] for i in unpack), add, f"halo exchange of dim {st.dim}")
+        sends, recvs, pack, unpack = [], [], [], []
+        at_s = at_r = 0
+        for peer, ob, ib in zip(st.peers, out, inn):
+            n_o, n_i = numel(ob), numel(ib)
+            if n_o:
+                run = run_offset(ob, shape)
+                if run is None:
+                    pack.append(ob)
+                    sends.append((False, at_s, n_o, peer, tag))
+                    at_s += n_o
+                else:
+                    sends.append((True, run, n_o, peer, tag))
+            if n_i:
+                run = None if add else run_offset(ib, shape)
+                if run is None:
+                    unpack.append(ib)
+                    recvs.append((False, at_r, n_i, peer, tag))
+                    at_r += n_i
+                else:
+                    recvs.append((True, run, n_i, peer, tag))
+        return cls(k, tuple(pack), at_s, tuple(sends), tuple(recvs), _disjoint(unpack), add,
+                   f"halo exchange of dim {st.dim}")
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def _disjoint(boxes: list[Box]) -> tuple[tuple[int, int, tuple[Box, ...]], ...]:
+    """Consecutive runs of ``boxes`` (in buffer order) whose boxes do not overlap: each run
+    is one unpack call (kernels write a call's boxes in parallel; adds into overlapping
+    boxes -- a bulk entry two peers need, in the adjoint -- go in separate calls)."""
+    runs: list[tuple[int, int, tuple[Box, ...]]] = []
+    at, cur, start = 0, [], 0
+    for b in boxes:
+        if any(_overlap(b, c) for c in cur):
+            runs.append((start, at - start, tuple(cur)))
+            cur, start = [], at
+        cur.append(b)
+        at += numel(b)
+    if cur:
+        runs.append((start, at - start, tuple(cur)))
+    return tuple(runs)
 
 
 class HaloPlan:
@@ -183,8 +207,19 @@ class HaloPlan:
                 return tuple(self.out_box[a] if a < d else rel(a, iv) if a == d
                              else self.bulk_box[a] for a in range(P.dim))
 
-            steps.append(Step(d, P.neighbors(d), (box(w.send_left), box(w.send_right)),
-                              (box(w.halo_left), box(w.halo_right))))
+            sends = dict(w.send_to)
+            recvs = dict(w.recv_from)
+            peers = sorted(set(sends) | set(recvs))
+            empty = (w.bulk[0], w.bulk[0])
+
+            def rank_of(j: int, d: int = d) -> int:
+                c = list(P.coords)
+                c[d] = j
+                return P.world_rank_of(c)
+
+            steps.append(Step(d, tuple(rank_of(j) for j in peers),
+                              tuple(box(sends.get(j, empty)) for j in peers),
+                              tuple(box(recvs.get(j, empty)) for j in peers)))
         self.steps = tuple(steps)
         self.passthrough = not self.steps and not self.only_padding and \
             self.bulk_box == self.out_box == tuple((0, n) for n in self.work_shape)
@@ -238,7 +273,7 @@ class HaloPlan:
             order = list(enumerate(self.steps))
             for k, st in (reversed(order) if adjoint else order):
                 out, inn = (st.recv, st.send) if adjoint else (st.send, st.recv)
-                tag = self.tag + 4 * st.dim + (2 if adjoint else 0)
+                tag = self.tag + 2 * st.dim + (1 if adjoint else 0)
                 moves.append(_Move.make(k, st, out, inn, tag, adjoint, W.shape))
             self._progs[key] = moves
         return moves
@@ -248,7 +283,7 @@ class HaloPlan:
         b = self._bufs.get(key)
         if b is None:
             st = self.steps[move.step]
-            n = max(numel(st.send[0]) + numel(st.send[1]), numel(st.recv[0]) + numel(st.recv[1]))
+            n = max(sum(numel(b) for b in st.send), sum(numel(b) for b in st.recv))
             b = (torch.empty(n, dtype=W.dtype, device=W.device),
                  torch.empty(n, dtype=W.dtype, device=W.device))
             self._bufs[key] = b
@@ -263,13 +298,12 @@ class HaloPlan:
         works = tr.batch_p2p([P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
                               for run, a, n, peer, tag in move.recvs])  # receives first
         if move.pack:
-            packer.pack(W, move.pack, out=sbuf[move.pack_at:move.pack_at + move.pack_n])
+            packer.pack(W, move.pack, out=sbuf[:move.pack_n])
         works += tr.batch_p2p([P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
                                for run, a, n, peer, tag in move.sends])
         tr.wait(works, move.label)
-        if move.unpack:
-            packer.unpack(rbuf[move.unpack_at:move.unpack_at + move.unpack_n], W, move.unpack,
-                          add=move.add)
+        for at, n, boxes in move.unpack:
+            packer.unpack(rbuf[at:at + n], W, boxes, add=move.add)
 
     def packer(self, t: torch.Tensor) -> Packer:
         key = (t.device, t.dtype)
