@@ -76,6 +76,25 @@ def test_conv_equivalence(cluster, case):
     assert any(cluster.run(n, _conv_case, *args))  # the root reported
 
 
+GROUPED_CASES = [
+    # groups aligned with the channel blocks: 2 groups, ci and co split in 2
+    (4, 2, (1, 2, 2, 1, 1), [0, 1, 2, 3], [0, 1], None, (2, 4, 7, 6), 4, 6, 3, 1, 1, 1, 2),
+    # 4 groups over 3 uneven input-channel blocks and 2 output blocks, space split too
+    (6, 2, (1, 2, 3, 1, 1), list(range(6)), [5, 3, 1], None, (1, 8, 6, 5), 8, 4, 3, 1, 1, 1,
+     4),
+    # depthwise (groups == channels), channels split, 1-D
+    (4, 1, (1, 2, 2, 1), [0, 1, 2, 3], [0, 1], None, (2, 6, 9), 6, 6, 3, 2, 1, 1, 6),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: f"groups{c[-1]}-{c[2]}")
+def test_grouped_conv_with_split_channels(cluster, case):
+    n, *args = case
+    res = cluster.run(n, _conv_general_case, *args)
+    assert all(v < TOL for errs in res for v in errs.values()), res
+    assert {k for errs in res for k in errs} == {"y0", "dx0", "dw0", "db0"}
+
+
 def test_conv_mpi(cluster):
     n, *args = CONV_CASES[0]
     for errs in cluster.run(n, _conv_case, *args, backend="mpi"):

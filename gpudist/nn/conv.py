@@ -52,6 +52,7 @@ class _ConvPlan:
     x_slice: TensorSpec
     pads: tuple[int, ...]
     empty_out: bool
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DistributedConvNd(ShardedParameters, DistributedModule):
@@ -94,10 +95,9 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         self.P_x, self.P_w, self.P_y = self._partitions(P_x, P_w, P_y, name)
         pb, pco, pci, sp = self.P_w.shape[0], self.P_w.shape[1], self.P_w.shape[2], \
             self.P_w.shape[3:]
-        if groups != 1 and (pco > 1 or pci > 1):
-            raise raised_everywhere(PartitionError(
-                f"{name}: groups={groups} needs unpartitioned channels (P_w {self.P_w.shape} "
-                f"splits them)"))
+        # groups with split channels: each worker's weight block, expanded to a dense
+        # (co block, ci block) weight with zeros outside the groups, is one local conv
+        self.grouped_split = groups != 1 and (pco > 1 or pci > 1)
         for what, c, p in (("in_channels", in_channels, pci), ("out_channels", out_channels, pco)):
             if c < p:
                 raise raised_everywhere(PartitionError(
@@ -114,6 +114,8 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
                              (pco, pci) + (1,) * n, world)
         self.P_rb = Partition([at((0, i, 0) + (0,) * n) for i in range(pco)], (pco,), world)
         self.root = Partition([self.P_r.ranks[0]], (1,) * (n + 2), world)
+        if self.grouped_split:  # the grouped weight's rows live with the co blocks
+            self.P_r = Partition(self.P_rb.ranks, (pco,) + (1,) * (n + 1), world)
         self.weight = parameter(block(seq.weight, self.P_r), seq.weight, n + 2)
         self.bias = parameter(block(seq.bias, self.P_rb), seq.weight, 1) if bias else None
         self.homes = {"weight": (self.P_r, self.wshape)}
@@ -127,7 +129,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         self.halo = HaloExchange(self.P_slice, (1, 1) + self.k, (1, 1) + self.s,
                                  ((0, 0), (0, 0)) + self.pads, (1, 1) + self.d,
                                  pad_value=0.0, op_padding=True, owns_gradient=True)
-        self.P_r5 = self.P_r.reshape((1, pco, pci) + (1,) * n)
+        self.P_r5 = self.P_r.reshape((1, pco, 1 if self.grouped_split else pci) + (1,) * n)
         self.w_bcast = Broadcast(self.P_r5, self.P_w)
         self.P_wb = _ci0(self.P_w)  # the bias is added once: on the ci = 0 workers only
         self.P_rb5 = self.P_rb.reshape((1, pco, 1) + (1,) * n)
@@ -206,7 +208,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         x_slice = TensorSpec(self.P_slice, g, dt, dev) if self.P_slice.active else None
         h_plan = self.halo.plan(x_slice) if x_slice is not None else None
         wspec = TensorSpec(self.P_r5, self.wshape, dt, dev,
-                           (R, 0, 1) + (R,) * n)
+                           (R, 0, R if self.grouped_split else 1) + (R,) * n)
         b_plan = None
         if self.bias is not None:
             b_plan = self.b_bcast.plan(TensorSpec(self.P_rb5, (self.out_channels,), dt, dev,
@@ -217,7 +219,25 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         pads = tuple(lo for lo, _ in h_plan.local.pads[2:]) if h_plan is not None else (0,) * n
         empty = self.P_w.active and 0 in yspec.local_shape
         return _ConvPlan(out, x_plan, h_plan, self.w_bcast.plan(wspec), b_plan,
-                         self.y_reduce.plan(yspec), x_slice, pads, empty)
+                         self.y_reduce.plan(yspec), x_slice, pads, empty,
+                         self._group_map(yspec, x5) if self.grouped_split else None)
+
+    def _group_map(self, yspec: TensorSpec, x5: TensorSpec):
+        """(column index into the grouped weight, mask) of this worker's dense
+        (co block, ci block) weight: output channel o reads input channel c through the
+        grouped weight's column c - group_start(o), if c is in o's group."""
+        if not self.P_w.active:
+            return None
+        c = self.P_w.coords
+        o0 = yspec.local_start_of(c)[1]
+        o1 = o0 + yspec.local_shape_of(c)[1]
+        i0 = x5.local_start_of((c[0], 0) + c[2:])[2]
+        i1 = i0 + x5.local_shape_of((c[0], 0) + c[2:])[2]
+        per_in, per_out = self.in_channels // self.groups, self.out_channels // self.groups
+        o = torch.arange(o0, o1)[:, None]
+        col = torch.arange(i0, i1)[None, :] - (o // per_out) * per_in
+        ok = (col >= 0) & (col < per_in)
+        return col.clamp(0, per_in - 1), ok
 
     # -- forward ----------------------------------------------------------------
     def run(self, x: torch.Tensor, plan: _ConvPlan) -> torch.Tensor:
@@ -231,8 +251,14 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
             if plan.empty_out:  # this worker has no outputs: keep the graph, skip the op
                 y = connect(xh.new_zeros(plan.y_reduce.spec.local_shape), xh, w, b)
             else:
+                groups = self.groups
+                if plan.groups is not None:
+                    col, ok = (t.to(w.device) for t in plan.groups)
+                    rows = torch.arange(w.shape[0], device=w.device)[:, None]
+                    mask = ok.reshape(ok.shape + (1,) * self.spatial).to(w.dtype)
+                    w, groups = w[rows, col] * mask, 1
                 y = _CONV[self.spatial][0](xh, w, b if bias_here else None, self.s,
-                                           plan.pads, self.d, self.groups)
+                                           plan.pads, self.d, groups)
                 if b is not None and not bias_here:
                     y = connect(y, b)
         else:
