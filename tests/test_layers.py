@@ -198,7 +198,7 @@ def _bad_conv(which):
     if which == "groups":
         P_w = Partition.grid((1, 1, 2, 1, 2))
         P_x = Partition.grid((1, 2, 1, 2))
-        gnn.DistributedConv2d(P_x, 4, 4, 3, groups=2, P_w=P_w)
+        gnn.DistributedConv2d(P_x, 4, 4, 3, groups=3, P_w=P_w)  # 4 channels in 3 groups
     elif which == "P_x":
         P_w = Partition.grid((1, 2, 2, 1, 1))
         gnn.DistributedConv2d(Partition.grid((1, 1, 2, 2)), 4, 4, 3, P_w=P_w)
@@ -218,7 +218,7 @@ def _bad_conv(which):
 
 
 @pytest.mark.parametrize("which,err", [
-    ("groups", "PartitionError"), ("P_x", "PartitionError"), ("channels", "PartitionError"),
+    ("groups", "ValueError"), ("P_x", "PartitionError"), ("channels", "PartitionError"),
     ("padding_mode", "ValueError"), ("local_shape", "ShapeError"),
     ("local_shape_outside_P_x", "ShapeError")])
 def test_conv_bad_input_errors_on_every_rank(cluster, which, err):
