@@ -281,12 +281,13 @@ class MPIPool(RankPool):
 
 
 def start_pool(size: int, backend: str = "gloo", **kw) -> RankPool:
-    """A pool of ``size`` ranks on ``backend`` ("gloo", "gloo-spawn", "nccl", "mpi")."""
+    """A pool of ``size`` ranks on ``backend``: "gloo", "nccl", "mpi", or "gloo-spawn" /
+    "nccl-spawn" (spawned instead of forked)."""
     if backend == "mpi":
         return MPIPool(size, **kw)
     kw.pop("pythonpath", None)
-    if backend == "gloo-spawn":
-        return ForkPool(size, "gloo", start="spawn", **kw)
+    if backend.endswith("-spawn"):  # a parent holding a CUDA context must not fork
+        return ForkPool(size, backend[:-len("-spawn")], start="spawn", **kw)
     return ForkPool(size, backend, **kw)
 
 

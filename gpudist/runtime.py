@@ -127,6 +127,18 @@ class World:
     def timeout(self) -> float:
         return self.transport.timeout
 
+    def data_path(self, device: torch.device | str | None = None) -> str:
+        """How this world moves tensors of ``device``: straight from device memory, or
+        through host staging buffers (gloo point-to-point with CUDA tensors, MPI that is
+        not CUDA-aware; GPUDIST_MPI_CUDA_AWARE=0/1 overrides the MPI check)."""
+        dev = torch.device(device) if device is not None else self.device
+        tr = self.transport
+        probe = torch.empty(0, device=dev) if dev.type != "cuda" or torch.cuda.is_available() \
+            else torch.empty(0)
+        native = tr.native(probe) if hasattr(tr, "native") else True
+        return (f"{self.backend} ({tr.name}), {dev.type} tensors: "
+                f"{'device pointers to the backend' if native else 'staged through host buffers'}")
+
     def next_uid(self, key: object) -> int:
         """Numbers the objects made for ``key`` (e.g. a partition) in creation order: the
         same numbers on every rank that makes them, e.g. to give each halo exchange its

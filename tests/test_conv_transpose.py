@@ -2,9 +2,10 @@
 float64: forward, input gradient, weight and bias gradients, and the seeded initial
 parameters): stride 1 and 2+, padding, output_padding, dilation, even kernels, groups;
 spatial partitions (uneven, inactive ranks, batch split, workers no input reaches, workers
-without outputs); the general form with channels partitioned; MPI; a DistTensor input and
-a second global shape through the same layer; Jacobian adjoints; the global state dict
-round trip; bad configurations and inputs raising the same error on every rank."""
+without outputs, halos wider than the neighbours' blocks); the general form with channels
+partitioned; MPI; a DistTensor input and a second global shape through the same layer;
+Jacobian adjoints; the global state dict round trip; bad configurations and inputs raising
+the same error on every rank."""
 
 import pytest
 import torch
@@ -260,27 +261,14 @@ def test_bad_input_errors_on_every_rank(cluster, which, err):
     assert "ConvTranspose" in errs[0].message, errs[0]
 
 
-def _wide_halo_supported() -> bool:
-    """Whether the halo geometry serves halos wider than the neighbours' blocks (else it
-    raises HaloError for them)."""
-    from gpudist import HaloError
-    from gpudist.halo import HaloGeometry
-
-    try:  # worker 1 of 3 needs all 6 inputs; workers 0 and 2 own 2 each
-        HaloGeometry.from_intervals(6, [(0, 1), (1, 2), (2, 3)], [(0, 2), (0, 6), (4, 6)])
-    except HaloError:
-        return False
-    return True
-
-
 def test_halo_wider_than_the_neighbours(cluster):
     """Kernel 7 at stride 1 over 4 workers of 2 inputs: worker 1 needs inputs two workers
-    away. Served from further workers where the halo geometry allows it (equal to torch),
-    otherwise a HaloError naming the layer on every rank."""
+    away, served by the workers that own them."""
+    from gpudist.halo import HaloGeometry
+    from gpudist.nn.conv_transpose import needed_inputs
+
+    outs = [(0, 4), (4, 8), (8, 11), (11, 14)]  # 14 outputs over 4 workers
+    geo = HaloGeometry.from_intervals(8, outs, [needed_inputs(*o, 8, 7, 1, 0, 1) for o in outs])
+    assert geo.worker(1).hops == 2  # the case does reach beyond the direct neighbours
     case = (1, (1, 1, 1, 4), None, [0, 1, 2, 3], None, (2, 1, 8), 1, 2, 7, 1, 0, 0, 1)
-    if _wide_halo_supported():
-        _check(cluster.run(4, _case, *case))
-    else:
-        errs = cluster.run(4, _case, *case, expect_error=True)
-        assert all(e is not None and e.type == "HaloError" for e in errs), errs
-        assert "ConvTranspose1d" in errs[0].message and "beyond" in errs[0].message, errs[0]
+    _check(cluster.run(4, _case, *case))

@@ -2,6 +2,12 @@
 
 from ..primitives import Repartition
 from .conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, DistributedConvNd
+from .conv_transpose import (
+    DistributedConvTranspose1d,
+    DistributedConvTranspose2d,
+    DistributedConvTranspose3d,
+    DistributedConvTransposeNd,
+)
 from .linear import DistributedLinear
 from .loss import (
     LOSSES,
@@ -32,13 +38,35 @@ from .sampling import (
 )
 
 __all__ = [
-    "LOSSES", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
-    "DistributedCrossEntropyLoss", "DistributedKLDivLoss", "DistributedL1Loss",
-    "DistributedMSELoss", "DistributedNLLLoss", "DistributedPoissonNLLLoss",
-    "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d",
-    "DistributedBatchNorm", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d",
-    "DistributedConvNd", "DistributedInterpolate", "DistributedLinear", "DistributedLoss",
-    "DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
-    "DistributedUpsample", "DistributedUpsamplingBilinear2d", "DistributedUpsamplingNearest2d",
+    "DistributedAvgPool1d",
+    "DistributedAvgPool2d",
+    "DistributedAvgPool3d",
+    "DistributedBCELoss",
+    "DistributedBCEWithLogitsLoss",
+    "DistributedBatchNorm",
+    "DistributedConv1d",
+    "DistributedConv2d",
+    "DistributedConv3d",
+    "DistributedConvNd",
+    "DistributedConvTranspose1d",
+    "DistributedConvTranspose2d",
+    "DistributedConvTranspose3d",
+    "DistributedConvTransposeNd",
+    "DistributedCrossEntropyLoss",
+    "DistributedInterpolate",
+    "DistributedKLDivLoss",
+    "DistributedL1Loss",
+    "DistributedLinear",
+    "DistributedLoss",
+    "DistributedMSELoss",
+    "DistributedMaxPool1d",
+    "DistributedMaxPool2d",
+    "DistributedMaxPool3d",
+    "DistributedNLLLoss",
+    "DistributedPoissonNLLLoss",
+    "DistributedUpsample",
+    "DistributedUpsamplingBilinear2d",
+    "DistributedUpsamplingNearest2d",
+    "LOSSES",
     "Repartition",
 ]

@@ -10,8 +10,9 @@ Per spatial dim (input length ``n``, kernel ``k``, stride ``s``, padding ``p``, 
 of ``m = (n-1)*s - 2p + d*(k-1) + q + 1``. The outputs are block-balanced over the partition
 like every gpudist layer; the worker with outputs ``[o0, o1)`` needs the inputs
 ``[ceil((o0 + p - d*(k-1)) / s), floor((o1 - 1 + p) / s)]`` clipped to ``[0, n)``
-(:meth:`~gpudist.halo.HaloGeometry.from_intervals` makes the halo plan; data from beyond the
-direct neighbours is a :class:`~gpudist.errors.HaloError` on every rank). The local transposed
+(:meth:`~gpudist.halo.HaloGeometry.from_intervals` makes the halo plan; a configuration the
+halo geometry cannot serve is a :class:`~gpudist.errors.HaloError` naming the layer, raised on
+every rank, since every rank computes the whole geometry). The local transposed
 conv (padding 0) over inputs ``[a, b)`` gives the global outputs from ``a*s - p`` on; the
 worker keeps ``[o0, o1)`` of them (zero-extended where no input of the block reaches: gaps
 of a large stride, output padding).
