@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.gpudist-installed
 # CPU wheel pinned here for the dev/CI machines; the package itself accepts torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test test-gpu test-multigpu lint bench clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,13 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# On a GPU machine: the venv's torch must be a CUDA build (TORCH_PIN= to keep yours).
+test-gpu: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m gpu tests
+
+test-multigpu: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m multigpu tests
 
 lint: venv
 	$(VENV)/bin/ruff check gpudist tests bench

@@ -114,7 +114,7 @@ class DistributedLoss(DistributedModule):
             d = self._denominator(x, t, opts)
         else:
             s = x.sum() * 0
-            d = torch.zeros((), dtype=x.dtype, device=x.device)
+            d = x.new_zeros(())
         v = self.total.apply(torch.stack([s, d.to(s.dtype)]), plan.total)
         if not self.root.active:
             return v.sum() * 0  # a zero that keeps this rank's adjoint in the graph
@@ -126,12 +126,11 @@ class DistributedLoss(DistributedModule):
 
     def _denominator(self, x, t, opts) -> torch.Tensor:
         """This block's share of the "mean" divisor."""
-        if not self.classwise:
-            return torch.tensor(float(x.numel()), dtype=x.dtype, device=x.device)
+        if not self.classwise:  # a fill on the device: no host-to-device copy
+            return x.new_full((), float(x.numel()))
         ignore = opts.get("ignore_index", -100)
         if t.dtype.is_floating_point:  # class probabilities: every target counts
-            return torch.tensor(float(t.numel() // max(t.shape[1] if t.dim() > 1 else 1, 1)),
-                                dtype=x.dtype, device=x.device)
+            return x.new_full((), float(t.numel() // max(t.shape[1] if t.dim() > 1 else 1, 1)))
         keep = t != ignore
         w = opts.get("weight")
         if w is None:
