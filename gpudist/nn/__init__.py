@@ -8,6 +8,8 @@ from .conv_transpose import (
     DistributedConvTranspose3d,
     DistributedConvTransposeNd,
 )
+from .embedding import DistributedEmbedding, DistributedEmbeddingZero
+from .layernorm import DistributedLayerNorm, DistributedLayerNormZero, DistributedRMSNormZero
 from .linear import DistributedLinear
 from .loss import (
     LOSSES,
@@ -36,6 +38,7 @@ from .sampling import (
     DistributedUpsamplingBilinear2d,
     DistributedUpsamplingNearest2d,
 )
+from .transpose import DistributedTranspose, transposed_partition
 
 __all__ = [
     "DistributedAvgPool1d",
@@ -53,9 +56,13 @@ __all__ = [
     "DistributedConvTranspose3d",
     "DistributedConvTransposeNd",
     "DistributedCrossEntropyLoss",
+    "DistributedEmbedding",
+    "DistributedEmbeddingZero",
     "DistributedInterpolate",
     "DistributedKLDivLoss",
     "DistributedL1Loss",
+    "DistributedLayerNorm",
+    "DistributedLayerNormZero",
     "DistributedLinear",
     "DistributedLoss",
     "DistributedMSELoss",
@@ -64,9 +71,12 @@ __all__ = [
     "DistributedMaxPool3d",
     "DistributedNLLLoss",
     "DistributedPoissonNLLLoss",
+    "DistributedRMSNormZero",
+    "DistributedTranspose",
     "DistributedUpsample",
     "DistributedUpsamplingBilinear2d",
     "DistributedUpsamplingNearest2d",
     "LOSSES",
     "Repartition",
+    "transposed_partition",
 ]
