@@ -2,6 +2,20 @@
 
 from ..primitives import Repartition
 from .conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, DistributedConvNd
+from .conv_channel import (
+    DistributedChannelAllGatherConv1d,
+    DistributedChannelAllGatherConv2d,
+    DistributedChannelAllGatherConv3d,
+    DistributedChannelAllGatherConvTranspose1d,
+    DistributedChannelAllGatherConvTranspose2d,
+    DistributedChannelAllGatherConvTranspose3d,
+    DistributedChannelReduceScatterConv1d,
+    DistributedChannelReduceScatterConv2d,
+    DistributedChannelReduceScatterConv3d,
+    DistributedChannelReduceScatterConvTranspose1d,
+    DistributedChannelReduceScatterConvTranspose2d,
+    DistributedChannelReduceScatterConvTranspose3d,
+)
 from .conv_transpose import (
     DistributedConvTranspose1d,
     DistributedConvTranspose2d,
@@ -47,6 +61,18 @@ __all__ = [
     "DistributedBCELoss",
     "DistributedBCEWithLogitsLoss",
     "DistributedBatchNorm",
+    "DistributedChannelAllGatherConv1d",
+    "DistributedChannelAllGatherConv2d",
+    "DistributedChannelAllGatherConv3d",
+    "DistributedChannelAllGatherConvTranspose1d",
+    "DistributedChannelAllGatherConvTranspose2d",
+    "DistributedChannelAllGatherConvTranspose3d",
+    "DistributedChannelReduceScatterConv1d",
+    "DistributedChannelReduceScatterConv2d",
+    "DistributedChannelReduceScatterConv3d",
+    "DistributedChannelReduceScatterConvTranspose1d",
+    "DistributedChannelReduceScatterConvTranspose2d",
+    "DistributedChannelReduceScatterConvTranspose3d",
     "DistributedConv1d",
     "DistributedConv2d",
     "DistributedConv3d",
