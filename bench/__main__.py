@@ -1,4 +1,4 @@
-"""``python -m bench {primitives,kernels,halo,layers,scaling,plot} [options]``."""
+"""``python -m bench {primitives,kernels,halo,layers,scaling,plot,table} [options]``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    from . import halo, layers, plot, primitives, scaling
+    from . import halo, layers, plot, primitives, scaling, table
 
     suites = {"primitives": primitives, "halo": halo, "layers": layers, "scaling": scaling,
-              "plot": plot}
+              "plot": plot, "table": table}
     for name, mod in suites.items():
         sp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
         mod.add_args(sp)

@@ -23,8 +23,20 @@ from .conv_transpose import (
     DistributedConvTransposeNd,
 )
 from .embedding import DistributedEmbedding, DistributedEmbeddingZero
+from .experts import (
+    DistributedExpertAllGather,
+    DistributedExpertAllGatherZero,
+    DistributedExpertReduceScatter,
+    DistributedExpertReduceScatterZero,
+)
 from .layernorm import DistributedLayerNorm, DistributedLayerNormZero, DistributedRMSNormZero
 from .linear import DistributedLinear
+from .linear_sharded import (
+    DistributedLinearAllGather,
+    DistributedLinearAllGatherZero,
+    DistributedLinearReduceScatter,
+    DistributedLinearReduceScatterZero,
+)
 from .loss import (
     LOSSES,
     DistributedBCELoss,
@@ -84,12 +96,20 @@ __all__ = [
     "DistributedCrossEntropyLoss",
     "DistributedEmbedding",
     "DistributedEmbeddingZero",
+    "DistributedExpertAllGather",
+    "DistributedExpertAllGatherZero",
+    "DistributedExpertReduceScatter",
+    "DistributedExpertReduceScatterZero",
     "DistributedInterpolate",
     "DistributedKLDivLoss",
     "DistributedL1Loss",
     "DistributedLayerNorm",
     "DistributedLayerNormZero",
     "DistributedLinear",
+    "DistributedLinearAllGather",
+    "DistributedLinearAllGatherZero",
+    "DistributedLinearReduceScatter",
+    "DistributedLinearReduceScatterZero",
     "DistributedLoss",
     "DistributedMSELoss",
     "DistributedMaxPool1d",

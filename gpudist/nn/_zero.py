@@ -111,37 +111,43 @@ class ZeroShards:
 
 
 class ZeroParameters(ShardedParameters):
-    """Global state dicts of parameters stored by a :class:`ZeroShards` (``self.zero``);
-    ``self.zero_names`` are the parameter names it stores."""
+    """Global state dicts of parameters stored by :class:`ZeroShards`: ``self.shards``
+    maps each parameter name to its store (one shared store, or one per parameter when
+    their shapes or splits differ)."""
 
-    zero: ZeroShards
-    zero_names: tuple[str, ...]
+    shards: dict[str, ZeroShards]
 
     def _setup_zero(self, zero: ZeroShards, names: Sequence[str]) -> None:
-        self.zero, self.zero_names = zero, tuple(names)
-        self.root = zero.root
+        """One store for every parameter in ``names`` (they have the same shape)."""
+        self.zero = zero
+        self._setup_shards({k: zero for k in names}, zero.root)
+
+    def _setup_shards(self, shards: dict[str, ZeroShards], root: Partition | None = None
+                      ) -> None:
+        self.shards = dict(shards)
+        self.root = root if root is not None else next(iter(self.shards.values())).root
         # for the layout stamp of per-rank checkpoints: blocks as the fibres' heads see them
-        self.homes = {k: (zero.P_head, zero.shape) for k in names}
+        self.homes = {k: (z.P_head, z.shape) for k, z in self.shards.items()}
 
     def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Keep this worker's chunks of a sequential layer's state dict (every rank passes
         the same one; no communication)."""
         with torch.no_grad():
-            for k in self.zero_names:
+            for k, z in self.shards.items():
                 if k not in sd:
                     continue
                 t = sd[k]
-                if tuple(t.shape) != self.zero.shape:
+                if tuple(t.shape) != z.shape:
                     raise raised_everywhere(ShapeError(
                         f"{type(self).__name__}.load_global_state_dict: {k} has shape "
-                        f"{tuple(t.shape)}, the layer's is {self.zero.shape}"))
+                        f"{tuple(t.shape)}, the layer's is {z.shape}"))
                 p = getattr(self, k)
-                p.data = self.zero.shard(t).to(p)
+                p.data = z.shard(t).to(p)
 
-    def _zero_gathered(self, pick) -> dict[str, torch.Tensor]:
+    def _gathered(self, pick) -> dict[str, torch.Tensor]:
         out = {}
-        for k in self.zero_names:
-            v = self.zero.to_root(pick(getattr(self, k)))
+        for k, z in self.shards.items():
+            v = z.to_root(pick(getattr(self, k)))
             if v is not None:
                 out[k] = v
         return out
@@ -149,15 +155,14 @@ class ZeroParameters(ShardedParameters):
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the sequential layer's state dict on the root worker, ``{}``
         elsewhere."""
-        return self._zero_gathered(lambda p: p.detach())
+        return self._gathered(lambda p: p.detach())
 
     def global_grads(self) -> dict[str, torch.Tensor]:
         """Collective: the full gradients on the root worker, ``{}`` elsewhere."""
-        return self._zero_gathered(
-            lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return self._gathered(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
     def layout(self) -> dict:
         out = super().layout()
-        out["zero"] = {"fibre_workers": self.zero.A, "chunk": self.zero.r,
-                       "range": [self.zero.lo, self.zero.hi]}
+        out["zero"] = {k: {"fibre_workers": z.A, "chunk": z.r, "range": [z.lo, z.hi]}
+                       for k, z in self.shards.items()}
         return out

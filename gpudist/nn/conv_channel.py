@@ -47,8 +47,8 @@ from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllGather, Plan, ReduceScatter
 from ..spec import PARTIAL, REPLICATE, TensorSpec
-from ._layer import DistributedModule, ShardedParameters, per_dim
-from ._zero import ZeroShards
+from ._layer import DistributedModule, per_dim
+from ._zero import ZeroParameters, ZeroShards
 
 _TORCH = {(1, False): torch.nn.Conv1d, (2, False): torch.nn.Conv2d, (3, False): torch.nn.Conv3d,
           (1, True): torch.nn.ConvTranspose1d, (2, True): torch.nn.ConvTranspose2d,
@@ -57,59 +57,6 @@ _FN = {(1, False): F.conv1d, (2, False): F.conv2d, (3, False): F.conv3d,
        (1, True): F.conv_transpose1d, (2, True): F.conv_transpose2d,
        (3, True): F.conv_transpose3d}
 _MODES = ("zeros", "reflect", "replicate", "circular")
-
-
-class ZeroShardedParameters(ShardedParameters):
-    """Global state dicts of parameters each stored by its own :class:`ZeroShards`
-    (``self.shards``: name -> ZeroShards): parameters of different shapes, or split along
-    different dims, in one layer."""
-
-    shards: dict[str, ZeroShards]
-
-    def _setup_shards(self, shards: dict[str, ZeroShards]) -> None:
-        self.shards = dict(shards)
-        first = next(iter(self.shards.values()))
-        self.root = first.root
-        self.homes = {k: (z.P_head, z.shape) for k, z in self.shards.items()}
-
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Keep this worker's chunks of a sequential layer's state dict (every rank passes
-        the same one; no communication)."""
-        with torch.no_grad():
-            for k, z in self.shards.items():
-                if k not in sd:
-                    continue
-                t = sd[k]
-                if tuple(t.shape) != z.shape:
-                    raise raised_everywhere(ShapeError(
-                        f"{type(self).__name__}.load_global_state_dict: {k} has shape "
-                        f"{tuple(t.shape)}, the layer's is {z.shape}"))
-                p = getattr(self, k)
-                p.data = z.shard(t).to(p)
-
-    def _shards_gathered(self, pick) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, z in self.shards.items():
-            v = z.to_root(pick(getattr(self, k)))
-            if v is not None:
-                out[k] = v
-        return out
-
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the sequential layer's state dict on the root worker, ``{}``
-        elsewhere."""
-        return self._shards_gathered(lambda p: p.detach())
-
-    def global_grads(self) -> dict[str, torch.Tensor]:
-        """Collective: the full gradients on the root worker, ``{}`` elsewhere."""
-        return self._shards_gathered(
-            lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
-
-    def layout(self) -> dict:
-        out = super().layout()
-        out["zero"] = {k: {"fibre_workers": z.A, "chunk": z.r, "range": [z.lo, z.hi]}
-                       for k, z in self.shards.items()}
-        return out
 
 
 @dataclass
@@ -121,7 +68,7 @@ class _ChannelPlan:
     b: Plan | None
 
 
-class _ChannelConvNd(ZeroShardedParameters, DistributedModule):
+class _ChannelConvNd(ZeroParameters, DistributedModule):
     """What the channel-partitioned convolutions share (see the module docstring)."""
 
     spatial: int = 2

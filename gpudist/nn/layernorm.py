@@ -259,9 +259,9 @@ class _ZeroAffine:
         self._setup_zero(zero, have)
 
     def param_plan(self, device_type: str) -> Plan | None:
-        if not self.zero_names:
+        if not self.shards:
             return None
-        return self.zero.plan(getattr(self, self.zero_names[0]).dtype, device_type)
+        return self.zero.plan(getattr(self, next(iter(self.shards))).dtype, device_type)
 
     def affine(self, plan):
         out = []

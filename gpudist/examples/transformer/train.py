@@ -1,0 +1,263 @@
+"""Training loops, report and plot of the transformer example (next-character prediction).
+
+Both networks start from the same weights and see the same batches (random windows of the
+corpus). The distributed run (every rank: its sequence block of each window) goes first;
+then rank 0 trains the sequential network alone, and the per-step losses are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gpudist.decomposition import block_range
+
+from ..fno.train import GradSum
+from .network import (
+    CORPUS,
+    CharTransformer,
+    DistributedCharTransformer,
+    make_distributed,
+    make_sequential,
+    vocabulary,
+)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class Config:
+    steps: int = 300
+    batch_size: int = 8
+    context: int = 32
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+    dtype: str = "float64"
+    progress: bool = True
+
+    def net_kw(self) -> dict:
+        return {"dim": self.dim, "heads": self.heads, "layers": self.layers}
+
+
+@dataclass
+class History:
+    step_loss: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def encode(text: str = CORPUS) -> torch.Tensor:
+    vocab = vocabulary()
+    return torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+
+
+def batches(cfg: Config, data: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, next-character targets) of every step: ``batch_size`` random windows of
+    ``context`` characters; the same on every rank."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    out = []
+    off = torch.arange(cfg.context)
+    for _ in range(cfg.steps):
+        start = torch.randint(0, len(data) - cfg.context - 1, (cfg.batch_size, 1), generator=g)
+        out.append((data[start + off], data[start + off + 1]))
+    return out
+
+
+def sequential_step(net: CharTransformer, opt: torch.optim.Optimizer, x: torch.Tensor,
+                    t: torch.Tensor) -> float:
+    logits = net(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def distributed_step(net: DistributedCharTransformer, opt: torch.optim.Optimizer,
+                     gsum: GradSum, x: torch.Tensor, t: torch.Tensor, batch: int) -> float:
+    """One step on every rank with its sequence blocks ``x``, ``t``: the local part of the
+    mean cross-entropy, backward (the layers' adjoint collectives sum their parameter
+    gradients), the replicated head's gradients and the loss summed, an Adam step."""
+    logits = net(x, batch)
+    n = batch * net.context
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1),
+                           reduction="sum") / n
+    opt.zero_grad(set_to_none=False)
+    for p in gsum.params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    loss.backward()
+    total = gsum(loss)
+    opt.step()
+    return total.item()
+
+
+def seq_block(t: torch.Tensor, net: DistributedCharTransformer) -> torch.Tensor:
+    P = net.P_x
+    lo, hi = block_range(t.shape[1], P.shape[1], P.coords[1])
+    return t[:, lo:hi].contiguous()
+
+
+def _bar(show: bool, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not show, unit="step", dynamic_ncols=True,
+                mininterval=0.5, file=sys.stderr)
+
+
+def train_sequential(cfg: Config, net: CharTransformer, data: torch.Tensor) -> History:
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    hist = History()
+    bar = _bar(cfg.progress, cfg.steps, "sequential")
+    t0 = time.perf_counter()
+    for k, (x, t) in enumerate(batches(cfg, data)):
+        hist.step_loss.append(sequential_step(net, opt, x, t))
+        bar.update(1)
+        if k % 10 == 0:
+            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4f}")
+    hist.seconds = time.perf_counter() - t0
+    bar.close()
+    return hist
+
+
+def train_distributed(cfg: Config, net: DistributedCharTransformer, data: torch.Tensor
+                      ) -> History:
+    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    gsum = GradSum(net.P_x, net.head)
+    hist = History()
+    w = net.P_x.world
+    bar = _bar(cfg.progress and w.rank == 0, cfg.steps, f"distributed ({w.size} ranks)")
+    t0 = time.perf_counter()
+    for k, (x, t) in enumerate(batches(cfg, data)):
+        hist.step_loss.append(distributed_step(net, opt, gsum, seq_block(x, net),
+                                               seq_block(t, net), cfg.batch_size))
+        bar.update(1)
+        if k % 10 == 0:
+            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4f}")
+    hist.seconds = time.perf_counter() - t0
+    bar.close()
+    return hist
+
+
+@torch.no_grad()
+def generate(net: CharTransformer, prompt: str, n: int, context: int) -> str:
+    """Greedy continuation of ``prompt`` by ``n`` characters."""
+    vocab = vocabulary()
+    idx = [vocab.index(c) for c in prompt]
+    for _ in range(n):
+        x = torch.tensor([idx[-context:]])
+        idx.append(int(net(x)[0, -1].argmax()))
+    return "".join(vocab[i] for i in idx)
+
+
+def run_rank(cfg: Config, out_dir: str | Path, started: float | None = None) -> dict | None:
+    """Everything one rank does (the world already joined); the results on rank 0."""
+    import gpudist
+
+    started = time.perf_counter() if started is None else started
+    w = gpudist.world()
+    dt = DTYPES[cfg.dtype]
+    data = encode()
+    V = len(vocabulary())
+    seq0 = make_sequential(cfg.seed, V, cfg.context, dt, **cfg.net_kw())
+    net = make_distributed(seq0, V, cfg.context, dt, **cfg.net_kw())
+    dist = train_distributed(cfg, net, data)
+    dsd = net.global_state_dict()
+    if w.rank != 0:
+        return None
+    seq = make_sequential(cfg.seed, V, cfg.context, dt, **cfg.net_kw())
+    init = {k: v.clone() for k, v in seq.state_dict().items()}
+    seq_hist = train_sequential(cfg, seq, data)
+    sd = seq.state_dict()
+    if set(sd) != set(dsd):
+        raise RuntimeError(f"parameter names differ: {sorted(set(sd) ^ set(dsd))}")
+    weight_diff = max(float((sd[k] - dsd[k]).abs().max()) for k in sd)
+    moved = min(float((init[k] - sd[k]).abs().max()) for k in sd)
+    sample = generate(seq, "the workers ", 80, cfg.context)
+    return report(cfg, w.size, w.backend, seq_hist, dist, weight_diff, moved, sample,
+                  Path(out_dir), started)
+
+
+def report(cfg: Config, ranks: int, backend: str, seq: History, dist: History,
+           weight_diff: float, moved: float, sample: str, out_dir: Path,
+           started: float) -> dict:
+    diff = np.abs(np.subtract(seq.step_loss, dist.step_loss))
+    res = {
+        "max_abs_loss_diff": float(diff.max()),
+        "max_abs_weight_diff": weight_diff,
+        "least_parameter_change": moved,
+        "sequential_final_loss": seq.step_loss[-1],
+        "distributed_final_loss": dist.step_loss[-1],
+        "sequential_seconds": seq.seconds,
+        "distributed_seconds": dist.seconds,
+        "sample": sample,
+        "ranks": ranks,
+        "backend": backend,
+        **{k: v for k, v in asdict(cfg).items() if k != "progress"},
+        "seconds": time.perf_counter() - started,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot = out_dir / "transformer.png"
+    try:
+        make_plot(seq, dist, cfg, ranks, plot)
+        res["plot"] = str(plot)
+    except ImportError as e:
+        print(f"(no plot: {e})", file=sys.stderr)
+        res["plot"] = None
+    (out_dir / "transformer.json").write_text(json.dumps(
+        {**res, "sequential_loss": seq.step_loss, "distributed_loss": dist.step_loss},
+        indent=1))
+    print(f"\nchar transformer ({cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, context "
+          f"{cfg.context}): {cfg.steps} Adam steps of {cfg.batch_size}, {cfg.dtype}, {ranks} "
+          f"rank(s), backend {backend}")
+    print(f"  final loss: sequential {res['sequential_final_loss']:.5g}, distributed "
+          f"{res['distributed_final_loss']:.5g}")
+    print(f"  largest |loss difference| over {cfg.steps} steps: {res['max_abs_loss_diff']:.3g};"
+          f" largest |final weight difference|: {weight_diff:.3g}")
+    print(f"  train time: sequential {seq.seconds:.2f} s, distributed {dist.seconds:.2f} s")
+    print(f"  sample: {sample!r}")
+    if res["plot"]:
+        print(f"plot: {res['plot']}")
+    print(f"details: {out_dir / 'transformer.json'}")
+    return res
+
+
+def make_plot(seq: History, dist: History, cfg: Config, ranks: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    steps = np.arange(1, len(seq.step_loss) + 1)
+    ax[0].plot(steps, seq.step_loss, lw=2.2, alpha=0.6, label="sequential")
+    ax[0].plot(steps, dist.step_loss, lw=0.9, ls="--", label=f"distributed ({ranks} ranks)")
+    ax[0].set(xlabel="training step", ylabel="cross-entropy (nats / character)",
+              yscale="log", title="training loss")
+    ax[0].legend(fontsize=8)
+    d = np.abs(np.subtract(seq.step_loss, dist.step_loss))
+    ax[1].semilogy(steps, np.maximum(d, 1e-18), lw=0.8)
+    ax[1].set(xlabel="training step", ylabel="|loss difference| (0 drawn at 1e-18)",
+              title=f"sequential vs distributed ({cfg.dtype})")
+    fig.suptitle(f"character transformer, sequence split over {ranks} rank(s); Adam lr "
+                 f"{cfg.lr}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def task(cfg: Config, out_dir: str, started: float) -> dict | None:
+    """One rank of a :mod:`gpudist.launch` pool (importable by module path)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    return run_rank(cfg, out_dir, started)
