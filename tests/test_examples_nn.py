@@ -26,8 +26,8 @@ def _spectral_case(pshape, gshape, cout, modes):
     seq = fno_net.SpectralConv2d(cin, cout, *modes)
     torch.manual_seed(11)
     layer = fno_net.DistributedSpectralConv2d(P, cin, cout, *modes)
-    errs = {"init": max(maxerr(layer.weights1, seq.weights1),
-                        maxerr(layer.weights2, seq.weights2))}
+    errs = {"init": max(maxerr(layer.weights1.detach(), seq.weights1.detach()),
+                        maxerr(layer.weights2.detach(), seq.weights2.detach()))}
     G = global_tensor(gshape, seed=1)
     x = block_of(G, P).requires_grad_(True)
     y = layer(DistTensor.from_local(x, P, gshape))
@@ -159,3 +159,131 @@ def test_fno_cli_usage(capsys):
 
     assert main(["--ranks", "4", "--modes", "2"]) == 2
     assert "--modes must be at least --ranks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ transformer: block
+def _block_case(gshape, heads):
+    """The distributed transformer block against the sequential one: seeded init,
+    output, input gradient and every parameter gradient, gathered to rank 0."""
+    import gpudist
+    from gpudist.examples.transformer import network as tr_net
+
+    m = gpudist.world().size
+    P = Partition.grid((1, m, 1))
+    b, s, d = gshape
+    torch.manual_seed(4)
+    seq = tr_net.Block(d, heads, torch.float64)
+    torch.manual_seed(4)
+    blk = tr_net.DistributedBlock(P, d, heads, torch.float64)
+    errs = {}
+    for name in tr_net.SHARDED:
+        sd = getattr(blk, name).global_state_dict()
+        ref = getattr(seq, name).state_dict()
+        if P.world.rank == 0:
+            errs[f"init.{name}"] = float(set(sd) != set(ref)) + max(
+                maxerr(v, ref[k]) for k, v in sd.items())
+    with torch.no_grad():  # parameters away from their initial values
+        for p in seq.parameters():
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype,
+                                     generator=torch.Generator().manual_seed(p.numel())))
+    for name in tr_net.SHARDED:
+        getattr(blk, name).load_global_state_dict(getattr(seq, name).state_dict())
+    G = global_tensor(gshape, seed=1)
+    x = block_of(G, P).requires_grad_(True)
+    y = blk(DistTensor.from_local(x, P, gshape))
+    Gs = G.clone().requires_grad_(True)
+    Y = seq(Gs)
+    dY = global_tensor(gshape, seed=2)
+    y.local.backward(block_of(dY, P))
+    Y.backward(dY)
+    errs["moved"] = float(y.partition != P or tuple(y.shape) != gshape)
+    yg, root = gather(y.local, P, gshape)
+    dxg, _ = gather(x.grad, P, gshape)
+    grads = {n: getattr(blk, n).global_grads() for n in tr_net.SHARDED}
+    if root.active:
+        errs["y"] = maxerr(yg, Y.detach())
+        errs["dx"] = maxerr(dxg, Gs.grad)
+        for n in tr_net.SHARDED:
+            for k, p in getattr(seq, n).named_parameters():
+                errs[f"d{n}.{k}"] = maxerr(grads[n][k], p.grad)
+    # the Jacobian adjoint in the input (a smooth map: central differences)
+    errs["adjoint"] = jam(blk, DistTensor.from_local(block_of(G, P), P, gshape), eps=1e-5,
+                          seed=3) * 1e-3  # tolerance 1e-7
+    return errs
+
+
+BLOCK_CASES = [(1, (2, 5, 8), 2), (2, (2, 7, 8), 2), (4, (3, 10, 16), 4)]  # uneven S
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: f"{c[0]}ranks")
+def test_transformer_block_equals_sequential(cluster, case):
+    n, *args = case
+    res = cluster.run(n, _block_case, *args)
+    assert {"y", "dx", "dfc2.bias", "dq.weight", "dln1.weight", "init.o"} <= set(res[0])
+    for errs in res:
+        assert all(v < TOL for v in errs.values()), errs
+
+
+def test_transformer_block_mpi(cluster, backend):
+    res = cluster.run(2, _block_case, (2, 7, 8), 2, backend=backend)
+    assert "y" in res[0] and all(v < TOL for r in res for v in r.values()), res
+
+
+# ------------------------------------------------------------------ transformer: training
+def _tr_small():
+    from gpudist.examples.transformer import train as tr_train
+
+    return tr_train.Config(steps=4, batch_size=3, context=8, dim=8, heads=4, layers=1,
+                           progress=False)
+
+
+def _transformer_training(cfg):
+    import gpudist
+    from gpudist.examples.transformer import network as tr_net
+    from gpudist.examples.transformer import train as tr_train
+
+    w = gpudist.world()
+    data, V = tr_train.encode(), len(tr_net.vocabulary())
+    seq = tr_net.make_sequential(cfg.seed, V, cfg.context, **cfg.net_kw())
+    init = {k: v.clone() for k, v in seq.state_dict().items()}
+    net = tr_net.make_distributed(seq, V, cfg.context, **cfg.net_kw())
+    dist = tr_train.train_distributed(cfg, net, data)
+    dsd = net.global_state_dict()
+    if w.rank != 0:
+        return None
+    ref = tr_train.train_sequential(cfg, seq, data)
+    sd = seq.state_dict()
+    assert set(sd) == set(dsd), sorted(set(sd) ^ set(dsd))
+    diff = max(float((sd[k] - dsd[k]).abs().max()) for k in sd)
+    moved = min(float((init[k] - sd[k]).abs().max()) for k in sd)
+    return ref.step_loss, dist.step_loss, diff, moved
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_transformer_training_agrees(cluster, n):
+    cfg = _tr_small()
+    seq, dist, diff, moved = cluster.run(n, _transformer_training, cfg)[0]
+    assert len(seq) == len(dist) == cfg.steps
+    assert max(abs(a - b) for a, b in zip(seq, dist)) < 1e-12, (seq, dist)
+    assert diff < 1e-10 and moved > 1e-5, (diff, moved)
+    assert len(set(seq)) == len(seq)
+
+
+def test_transformer_cli(tmp_path):
+    from gpudist.examples.transformer.__main__ import main
+
+    out = tmp_path / "tr"
+    rc = main(["--ranks", "2", "--steps", "3", "--context", "8", "--dim", "8", "--layers",
+               "1", "--batch-size", "2", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "transformer.json").read_text())
+    assert (out / "transformer.png").stat().st_size > 10_000
+    assert res["ranks"] == 2 and len(res["distributed_loss"]) == 3
+    assert res["max_abs_loss_diff"] < 1e-12 and res["sample"].startswith("the workers ")
+
+
+def test_transformer_cli_usage(capsys):
+    from gpudist.examples.transformer.__main__ import main
+
+    assert main(["--ranks", "3"]) == 2
+    assert "4 heads to split evenly" in capsys.readouterr().err

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
+from gpudist import DistTensor, Partition
 from gpudist.decomposition import block_range
-from gpudist.primitives import AllSumReduce, Repartition
+from gpudist.primitives import Repartition
 
+from ..common import GradSum
 from .network import DTYPES, DistributedFNO2d, FNO2d, make_distributed, make_sequential
 
 
@@ -108,37 +109,6 @@ def sequential_step(net: FNO2d, opt: torch.optim.Optimizer, x: torch.Tensor,
     loss.backward()
     opt.step()
     return loss.item()
-
-
-class GradSum:
-    """The data-parallel gradient sum: every parameter's local gradient (and the local
-    loss) flattened into one vector, summed over the ranks by one AllSumReduce (its
-    spec known to every rank: no metadata exchange), written back."""
-
-    def __init__(self, P_x: Partition, net: torch.nn.Module) -> None:
-        self.P = Partition(P_x.ranks, (P_x.size,), P_x.world)
-        self.sum = AllSumReduce(self.P, [0])
-        self.params = list(net.parameters())
-        self.spec: TensorSpec | None = None
-
-    @staticmethod
-    def _real(t: torch.Tensor) -> torch.Tensor:
-        return torch.view_as_real(t) if t.is_complex() else t
-
-    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum the gradients in place; returns the summed loss (0-dim)."""
-        parts = [self._real(p.grad).reshape(-1) for p in self.params]
-        flat = torch.cat(parts + [loss.detach().reshape(1)])
-        if self.spec is None:
-            self.spec = TensorSpec(self.P, (flat.numel(),), flat.dtype, flat.device.type,
-                                   (PARTIAL,))
-        total = self.sum(DistTensor(flat, self.spec, check=False)).local
-        at = 0
-        for p in self.params:
-            g = self._real(p.grad)
-            g.copy_(total[at:at + g.numel()].view_as(g))
-            at += g.numel()
-        return total[at]
 
 
 def distributed_step(net: DistributedFNO2d, opt: torch.optim.Optimizer, gsum: GradSum,

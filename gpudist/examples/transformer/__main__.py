@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--out", default="results/transformer", help="directory for plot, JSON")

@@ -6,7 +6,8 @@ The network (pre-norm, causal)::
     x = tok(idx) + pos(positions)                          embeddings (vocab x D, S x D)
     block (x layers):
         a = softmax_causal(q k^T / sqrt(hd)) v per head,   q, k, v = Wq h, Wk h, Wv h,
-                                                           h = LN1(x)
+                                                           h = LN1(x) (no key bias: it
+                                                           would not change the output)
         x = x + Wo a
         x = x + W2 gelu(W1 LN2(x))                         MLP, hidden 4 D
     logits = head(LN_f(x))
@@ -78,7 +79,7 @@ class Block(nn.Module):
         self.head_dim = dim // heads
         self.ln1 = nn.LayerNorm(dim, dtype=dtype)
         self.q = nn.Linear(dim, dim, dtype=dtype)
-        self.k = nn.Linear(dim, dim, dtype=dtype)
+        self.k = nn.Linear(dim, dim, bias=False, dtype=dtype)  # a key bias has no effect
         self.v = nn.Linear(dim, dim, dtype=dtype)
         self.o = nn.Linear(dim, dim, dtype=dtype)
         self.ln2 = nn.LayerNorm(dim, dtype=dtype)
@@ -120,7 +121,7 @@ class DistributedBlock(nn.Module):
         self.head_dim = dim // heads
         self.ln1 = DistributedLayerNorm(P_x, dim, dtype=dtype)
         self.q = DistributedLinearAllGather(P_x, dim, dim, dtype=dtype)
-        self.k = DistributedLinearAllGather(P_x, dim, dim, dtype=dtype)
+        self.k = DistributedLinearAllGather(P_x, dim, dim, bias=False, dtype=dtype)
         self.v = DistributedLinearAllGather(P_x, dim, dim, dtype=dtype)
         self.o = DistributedLinearReduceScatter(self.q.P_y, dim, dim, dtype=dtype)
         self.ln2 = DistributedLayerNorm(P_x, dim, dtype=dtype)

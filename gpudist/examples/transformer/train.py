@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gpudist.decomposition import block_range
 
-from ..fno.train import GradSum
+from ..common import GradSum
 from .network import (
     CORPUS,
     CharTransformer,
@@ -40,7 +40,7 @@ class Config:
     dim: int = 32
     heads: int = 4
     layers: int = 2
-    lr: float = 3e-3
+    lr: float = 1e-2
     seed: int = 0
     dtype: str = "float64"
     progress: bool = True
