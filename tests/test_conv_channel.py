@@ -9,7 +9,7 @@ import torch
 from gpudist import DistTensor, Partition
 from gpudist.nn import conv_channel as cc
 from gpudist.testing import jacobian_adjoint_mismatch as jam
-from tests.util import block_of, gather, global_tensor, maxerr
+from tests.util import block_of, gather, global_checkpoint_roundtrip, global_tensor, maxerr
 
 TOL = 1e-10
 FORMS = {"ag": "DistributedChannelAllGatherConv", "rs": "DistributedChannelReduceScatterConv",
@@ -163,22 +163,8 @@ def _roundtrip(path):
             out[kind] = _classes(kind, 2)[0](P, 5, 3, (2, 3), dtype=torch.float64)
         return out
 
-    a = build(1)
-    with torch.no_grad():
-        for layer in a.values():
-            for p in layer.parameters():
-                p.add_(torch.rand(p.shape, dtype=p.dtype))  # not the default values
-    sd = {k: layer.global_state_dict() for k, layer in a.items()}
-    if world.rank == 0:
-        torch.save(sd, path)
-    world.transport.barrier()
-    loaded = torch.load(path)
-    b = build(2)
-    for k, layer in b.items():
-        layer.load_global_state_dict(loaded[k])
-    sd2 = {k: layer.global_state_dict() for k, layer in b.items()}
-    out = {"same_local": all(torch.equal(p, q) for k in a for p, q in
-                             zip(a[k].parameters(), b[k].parameters()))}
+    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": loaded.pop("__same_local__")}
     # per-rank state dicts carry the layout: they load back into the same rank's layer
     b["ag"].load_state_dict(a["ag"].state_dict())
     if world.rank == 0:

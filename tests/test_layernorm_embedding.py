@@ -14,7 +14,7 @@ from gpudist.nn.layernorm import (
 )
 from gpudist.nn.transpose import DistributedTranspose, transposed_partition
 from gpudist.testing import jacobian_adjoint_mismatch as jam
-from tests.util import block_of, gather, global_tensor, maxerr
+from tests.util import block_of, gather, global_checkpoint_roundtrip, global_tensor, maxerr
 
 TOL = 1e-10
 NORMS = {"ln": DistributedLayerNorm, "lnz": DistributedLayerNormZero,
@@ -309,22 +309,8 @@ def _roundtrip(path):
                 "emb": DistributedEmbedding(Pe, 9, 4, padding_idx=2, dtype=torch.float64),
                 "embz": DistributedEmbeddingZero(Pe, 9, 4, dtype=torch.float64)}
 
-    a = build(1)
-    with torch.no_grad():
-        for layer in a.values():
-            for p in layer.parameters():
-                p.add_(torch.rand(p.shape, dtype=p.dtype))  # not the default values
-    sd = {k: layer.global_state_dict() for k, layer in a.items()}
-    if world.rank == 0:
-        torch.save(sd, path)
-    world.transport.barrier()
-    loaded = torch.load(path)
-    b = build(2)
-    for k, layer in b.items():
-        layer.load_global_state_dict(loaded[k])
-    sd2 = {k: layer.global_state_dict() for k, layer in b.items()}
-    out = {"same_local": all(torch.equal(p, q) for k in a for p, q in
-                             zip(a[k].parameters(), b[k].parameters()))}
+    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": loaded.pop("__same_local__")}
     if world.rank == 0:
         seq = {"ln": torch.nn.LayerNorm((3, 5), dtype=torch.float64),
                "lnz": torch.nn.LayerNorm(5, dtype=torch.float64),

@@ -21,7 +21,7 @@ from gpudist.nn.linear_sharded import (
     DistributedLinearReduceScatterZero,
 )
 from gpudist.testing import jacobian_adjoint_mismatch as jam
-from tests.util import block_of, gather, global_tensor, maxerr
+from tests.util import block_of, gather, global_checkpoint_roundtrip, global_tensor, maxerr
 
 TOL = 1e-10
 LAYERS = {"ag": DistributedLinearAllGather, "rs": DistributedLinearReduceScatter,
@@ -241,22 +241,8 @@ def _roundtrip(path):
                 "eag": _make("eag", Pa, 3, 4, True, -2, E=3),
                 "ersz": _make("ersz", Pr, 3, 4, True, -2, E=2)}
 
-    a = build(1)
-    with torch.no_grad():
-        for layer in a.values():
-            for p in layer.parameters():
-                p.add_(torch.rand(p.shape, dtype=p.dtype))  # not the initial values
-    sd = {k: layer.global_state_dict() for k, layer in a.items()}
-    if world.rank == 0:
-        torch.save(sd, path)
-    world.transport.barrier()
-    loaded = torch.load(path)
-    b = build(2)
-    for k, layer in b.items():
-        layer.load_global_state_dict(loaded[k])
-    sd2 = {k: layer.global_state_dict() for k, layer in b.items()}
-    out = {"same_local": all(torch.equal(p, q) for k in a for p, q in
-                             zip(a[k].parameters(), b[k].parameters()))}
+    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": loaded.pop("__same_local__")}
     for k, layer in b.items():  # per-rank state dicts (with their layout) load back
         layer.load_state_dict(a[k].state_dict())
     out["per_rank"] = all(torch.equal(p, q) for k in a for p, q in

@@ -32,3 +32,31 @@ def gather(t: torch.Tensor, P: Partition, gshape, root: Partition | None = None)
 
 def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def global_checkpoint_roundtrip(build, path: str) -> tuple[dict, dict, dict, dict]:
+    """Layers from ``build(1)`` with perturbed parameters -> global state dicts ->
+    ``torch.save`` (rank 0) -> fresh layers ``build(2)`` load them. Returns (first layers,
+    second layers, the loaded dicts, the second layers' global state dicts) and puts
+    ``same_local`` (every rank's parameters equal after the round trip) in the loaded
+    dict under the key ``"__same_local__"``."""
+    from gpudist.runtime import require_world
+
+    world = require_world(None)
+    a = build(1)
+    with torch.no_grad():
+        for layer in a.values():
+            for p in layer.parameters():
+                p.add_(torch.rand(p.shape, dtype=p.dtype))  # not the initial values
+    sd = {k: layer.global_state_dict() for k, layer in a.items()}
+    if world.rank == 0:
+        torch.save(sd, path)
+    world.transport.barrier()
+    loaded = torch.load(path)
+    b = build(2)
+    for k, layer in b.items():
+        layer.load_global_state_dict(loaded[k])
+    sd2 = {k: layer.global_state_dict() for k, layer in b.items()}
+    loaded["__same_local__"] = all(torch.equal(p, q) for k in a for p, q in
+                                   zip(a[k].parameters(), b[k].parameters()))
+    return a, b, loaded, sd2

@@ -1,7 +1,15 @@
-"""What the examples share: the data-parallel gradient sum."""
+"""What the examples share: the data-parallel gradient sum, the training loop with its
+progress bar, the loss plots and the results files."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
@@ -37,3 +45,86 @@ class GradSum:
             g.copy_(total[at:at + g.numel()].view_as(g))
             at += g.numel()
         return total[at]
+
+
+def progress_bar(show: bool, total: int, desc: str):
+    """A tqdm bar on stderr (disabled where ``show`` is false)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not show, unit="step", dynamic_ncols=True,
+                mininterval=0.5, file=sys.stderr)
+
+
+def train_loop(batches: Sequence, step: Callable[[object], float], show: bool, desc: str
+               ) -> tuple[list[float], float]:
+    """``step(batch)`` for every batch under a progress bar: (losses, seconds)."""
+    bar = progress_bar(show, len(batches), desc)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for k, b in enumerate(batches):
+        losses.append(step(b))
+        bar.update(1)
+        if k % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+    seconds = time.perf_counter() - t0
+    bar.close()
+    return losses, seconds
+
+
+def loss_panels(ax_loss, ax_diff, seq: Sequence[float], dist: Sequence[float], ranks: int,
+                dtype: str, ylabel: str) -> None:
+    """Both loss curves on ``ax_loss``, their difference on ``ax_diff``."""
+    steps = np.arange(1, len(seq) + 1)
+    ax_loss.plot(steps, seq, lw=2.2, alpha=0.6, label="sequential")
+    ax_loss.plot(steps, dist, lw=0.9, ls="--", label=f"distributed ({ranks} ranks)")
+    ax_loss.set(xlabel="training step", ylabel=ylabel, yscale="log", title="training loss")
+    ax_loss.legend(fontsize=8)
+    d = np.abs(np.subtract(seq, dist))
+    ax_diff.semilogy(steps, np.maximum(d, 1e-18), lw=0.8)
+    ax_diff.set(xlabel="training step", ylabel="|loss difference| (0 drawn at 1e-18)",
+                title=f"sequential vs distributed ({dtype})")
+
+
+def save_results(out_dir: Path, name: str, res: dict, seq: Sequence[float],
+                 dist: Sequence[float], plot: Callable[[Path], None]) -> dict:
+    """Write ``name.png`` (by ``plot``) and ``name.json`` (``res`` and both loss curves)
+    into ``out_dir``; ``res["plot"]`` says where the plot went (None without
+    matplotlib)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    try:
+        plot(path)
+        res["plot"] = str(path)
+    except ImportError as e:
+        print(f"(no plot: {e})", file=sys.stderr)
+        res["plot"] = None
+    (out_dir / f"{name}.json").write_text(json.dumps(
+        {**res, "sequential_loss": list(seq), "distributed_loss": list(dist)}, indent=1))
+    return res
+
+
+class UsageError(ValueError):
+    """A command-line argument the example cannot run with (exit status 2)."""
+
+
+def run_example(task: Callable, a, make_config: Callable, check: Callable[[], None],
+                started: float) -> int:
+    """Start ``a.ranks`` ranks on ``a.backend`` and run ``task(config, a.out, started)`` on
+    each: 0 when done, 2 for a usage error (``check`` raises :class:`UsageError`), 1 when
+    a rank failed."""
+    from gpudist import launch
+
+    try:
+        check()
+        if a.backend == "mpi" and launch.mpiexec() is None:
+            raise UsageError("--backend mpi needs mpiexec (pip install mpich mpi4py)")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        launch.run(task, a.ranks, make_config(a), a.out, started, backend=a.backend,
+                   comm_timeout=a.timeout)
+    except launch.RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -57,7 +57,22 @@ class _EmbPlan:
 
 
 class _Embedding(DistributedModule):
-    """What both embeddings share (the weight's placement differs)."""
+    """What both embeddings share (the weight's placement differs: ``_place``)."""
+
+    def __init__(self, P: Partition, num_embeddings: int, embedding_dim: int,
+                 padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False,
+                 sparse: bool = False, *, P_x: Partition | None = None,
+                 P_y: Partition | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        seq = self._build(P, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+                          scale_grad_by_freq, sparse, P_x, P_y, dtype, device)
+        self._place(seq)
+
+    def _place(self, seq: torch.nn.Embedding) -> None:
+        """Keep this worker's part of the sequential layer's weight."""
+        raise NotImplementedError
 
     def _build(self, P: Partition, num_embeddings: int, embedding_dim: int, padding_idx,
                max_norm, norm_type: float, scale_grad_by_freq: bool, sparse: bool,
@@ -243,16 +258,9 @@ class DistributedEmbedding(ShardedParameters, _Embedding):
     from the current RNG state. ``sparse=True`` is not supported.
     """
 
-    def __init__(self, P: Partition, num_embeddings: int, embedding_dim: int,
-                 padding_idx: int | None = None, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, *, P_x: Partition | None = None,
-                 P_y: Partition | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        seq = self._build(P, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
-                          scale_grad_by_freq, sparse, P_x, P_y, dtype, device)
-        n = self.n
+    def _place(self, seq: torch.nn.Embedding) -> None:
+        P, n = self.P, self.n
+        num_embeddings, embedding_dim = self.num_embeddings, self.embedding_dim
         pv, pd = P.shape[n], P.shape[n + 1]
         self.P_home = Partition([P.world_rank_of((0,) * n + c) for c in np.ndindex(pv, pd)],
                                 (pv, pd), P.world)
@@ -284,17 +292,9 @@ class DistributedEmbeddingZero(ZeroParameters, _Embedding):
     workers of its index fibre, all-gathered within the fibre on use (adjoint:
     ReduceScatter of the block gradients)."""
 
-    def __init__(self, P: Partition, num_embeddings: int, embedding_dim: int,
-                 padding_idx: int | None = None, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, *, P_x: Partition | None = None,
-                 P_y: Partition | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        seq = self._build(P, num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
-                          scale_grad_by_freq, sparse, P_x, P_y, dtype, device)
+    def _place(self, seq: torch.nn.Embedding) -> None:
         n = self.n
-        zero = ZeroShards(P, {n: 0, n + 1: 1}, (num_embeddings, embedding_dim))
+        zero = ZeroShards(self.P, {n: 0, n + 1: 1}, (self.num_embeddings, self.embedding_dim))
         self.weight = torch.nn.Parameter(zero.shard(seq.weight))
         self._setup_zero(zero, ("weight",))
 

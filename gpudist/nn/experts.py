@@ -40,6 +40,12 @@ __all__ = ["DistributedExpertAllGather", "DistributedExpertAllGatherZero",
 class _Experts(_ShardedLinear):
     experts = True
 
+    def __init__(self, P_x: Partition, num_experts: int, in_features: int, out_features: int,
+                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super(_ShardedLinear, self).__init__()  # not the linear constructor
+        self._build(P_x, num_experts, in_features, out_features, bias, dim, dtype, device)
+
     def _init_params(self, E, fi, fo, bias, dtype, dev):
         ws, bs = [], []
         for _ in range(E):  # expert order, one torch.nn.Linear each
@@ -55,12 +61,6 @@ class DistributedExpertAllGather(ShardedParameters, _Experts):
     input ``(num_experts, tokens..., in_features)`` with the features whole, experts split
     over partition axis 0 and ``dim`` over its own axis (the model axis)."""
 
-    def __init__(self, P_x: Partition, num_experts: int, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(P_x, num_experts, in_features, out_features, bias, dim, dtype, device)
-
 
 class DistributedExpertReduceScatter(ShardedParameters, _Experts):
     """Per expert ``torch.nn.Linear`` in the ReduceScatter form (see the module docstring):
@@ -69,24 +69,12 @@ class DistributedExpertReduceScatter(ShardedParameters, _Experts):
 
     gather_form = False
 
-    def __init__(self, P_x: Partition, num_experts: int, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(P_x, num_experts, in_features, out_features, bias, dim, dtype, device)
-
 
 class DistributedExpertAllGatherZero(ZeroParameters, _Experts):
     """:class:`DistributedExpertAllGather` with each (expert, row) block of the weight and
     bias sharded ZeRO-style over its replica fibre (all-gathered on use)."""
 
     zero = True
-
-    def __init__(self, P_x: Partition, num_experts: int, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(P_x, num_experts, in_features, out_features, bias, dim, dtype, device)
 
 
 class DistributedExpertReduceScatterZero(ZeroParameters, _Experts):
@@ -95,9 +83,3 @@ class DistributedExpertReduceScatterZero(ZeroParameters, _Experts):
 
     gather_form = False
     zero = True
-
-    def __init__(self, P_x: Partition, num_experts: int, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(P_x, num_experts, in_features, out_features, bias, dim, dtype, device)

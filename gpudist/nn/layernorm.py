@@ -72,6 +72,14 @@ class _Norm(DistributedModule):
 
     rms = False
 
+    def __init__(self, P_x: Partition, normalized_shape: int | Sequence[int],
+                 eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        seq = self._build(P_x, normalized_shape, eps, elementwise_affine, bias, dtype, device)
+        self._place(seq, ("weight", "bias"))
+
     def _build(self, P_x: Partition, normalized_shape, eps, elementwise_affine: bool,
                bias: bool, dtype, device) -> torch.nn.Module:
         name = type(self).__name__
@@ -280,28 +288,12 @@ class DistributedLayerNorm(_BroadcastAffine, ShardedParameters, _Norm):
     Broadcast (adjoint: SumReduce of the gradients).
     """
 
-    def __init__(self, P_x: Partition, normalized_shape: int | Sequence[int],
-                 eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
-                 dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        seq = self._build(P_x, normalized_shape, eps, elementwise_affine, bias, dtype, device)
-        self._place(seq, ("weight", "bias"))
-
 
 class DistributedLayerNormZero(_ZeroAffine, ZeroParameters, _Norm):
     """``torch.nn.LayerNorm`` as :class:`DistributedLayerNorm`, its affine parameters
     sharded ZeRO-style over the whole partition: each worker keeps one chunk of its
     normalized block; the blocks are all-gathered within each fibre of replica workers on
     use, and the gradients reduce-scattered back (the adjoint)."""
-
-    def __init__(self, P_x: Partition, normalized_shape: int | Sequence[int],
-                 eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
-                 dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        seq = self._build(P_x, normalized_shape, eps, elementwise_affine, bias, dtype, device)
-        self._place(seq, ("weight", "bias"))
 
 
 class DistributedRMSNormZero(_ZeroAffine, ZeroParameters, _Norm):
@@ -316,6 +308,6 @@ class DistributedRMSNormZero(_ZeroAffine, ZeroParameters, _Norm):
                  eps: float | None = None, elementwise_affine: bool = True, *,
                  dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
-        super().__init__()
+        super(_Norm, self).__init__()  # not the layer norm's constructor: no bias, eps None
         seq = self._build(P_x, normalized_shape, eps, elementwise_affine, False, dtype, device)
         self._place(seq, ("weight",))

@@ -131,6 +131,12 @@ class _ShardedLinear(DistributedModule):
     zero = False
     experts = False
 
+    def __init__(self, P_x: Partition, in_features: int, out_features: int,
+                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self._build(P_x, None, in_features, out_features, bias, dim, dtype, device)
+
     def _build(self, P_x: Partition, num_experts: int | None, in_features: int,
                out_features: int, bias: bool, dim: int, dtype, device) -> None:
         name = type(self).__name__
@@ -268,9 +274,6 @@ class _ShardedLinear(DistributedModule):
                 f"bias={self.bias is not None}, dim={self.dim}, partition={self.P_x.shape}")
 
 
-def _args(P_x, in_features, out_features, bias, dim, dtype, device):
-    return P_x, None, in_features, out_features, bias, dim, dtype, device
-
 
 class DistributedLinearAllGather(ShardedParameters, _ShardedLinear):
     """``torch.nn.Linear`` on ``x`` split over ``P_x`` (features whole): AllGather of
@@ -278,12 +281,6 @@ class DistributedLinearAllGather(ShardedParameters, _ShardedLinear):
     W; output split over ``transposed_partition(P_x, dim, -1)``. Adjoint: ReduceScatter of
     ``dx``, parameter gradients summed over the replica axes into the home blocks (see the
     module docstring)."""
-
-    def __init__(self, P_x: Partition, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(*_args(P_x, in_features, out_features, bias, dim, dtype, device))
 
 
 class DistributedLinearReduceScatter(ShardedParameters, _ShardedLinear):
@@ -295,24 +292,12 @@ class DistributedLinearReduceScatter(ShardedParameters, _ShardedLinear):
 
     gather_form = False
 
-    def __init__(self, P_x: Partition, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(*_args(P_x, in_features, out_features, bias, dim, dtype, device))
-
 
 class DistributedLinearAllGatherZero(ZeroParameters, _ShardedLinear):
     """:class:`DistributedLinearAllGather` with weight and bias blocks sharded ZeRO-style
     over their replica fibres: all-gathered on use, gradients reduce-scattered."""
 
     zero = True
-
-    def __init__(self, P_x: Partition, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(*_args(P_x, in_features, out_features, bias, dim, dtype, device))
 
 
 class DistributedLinearReduceScatterZero(ZeroParameters, _ShardedLinear):
@@ -322,10 +307,4 @@ class DistributedLinearReduceScatterZero(ZeroParameters, _ShardedLinear):
 
     gather_form = False
     zero = True
-
-    def __init__(self, P_x: Partition, in_features: int, out_features: int,
-                 bias: bool = True, *, dim: int = -2, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self._build(*_args(P_x, in_features, out_features, bias, dim, dtype, device))
 

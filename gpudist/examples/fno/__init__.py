@@ -6,12 +6,12 @@
 * ``python -m gpudist.examples.fno`` -- the command line (:mod:`.__main__`).
 """
 
+from ..common import UsageError
 from .network import (
     DistributedFNO2d,
     DistributedSpectralConv2d,
     FNO2d,
     SpectralConv2d,
-    UsageError,
     make_distributed,
     make_sequential,
 )

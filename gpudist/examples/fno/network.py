@@ -50,10 +50,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
-class UsageError(ValueError):
-    """A command-line value the example cannot use (the message says what works)."""
-
-
 def _mul(u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``(u . w)[b, o, x, y] = sum_i u[b, i, x, y] w[i, o, x, y]`` (complex)."""
     return torch.einsum("bixy,ioxy->boxy", u, w)

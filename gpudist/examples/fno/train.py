@@ -13,9 +13,7 @@ sequential network alone, and the per-step losses are compared.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +26,7 @@ from gpudist import DistTensor, Partition
 from gpudist.decomposition import block_range
 from gpudist.primitives import Repartition
 
-from ..common import GradSum
+from ..common import GradSum, loss_panels, save_results, train_loop
 from .network import DTYPES, DistributedFNO2d, FNO2d, make_distributed, make_sequential
 
 
@@ -128,26 +126,11 @@ def distributed_step(net: DistributedFNO2d, opt: torch.optim.Optimizer, gsum: Gr
     return total.item()
 
 
-def _bar(show: bool, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not show, unit="step", dynamic_ncols=True,
-                mininterval=0.5, file=sys.stderr)
-
-
 def train_sequential(cfg: Config, net: FNO2d, x: torch.Tensor, y: torch.Tensor) -> History:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    hist = History()
-    bar = _bar(cfg.progress, cfg.steps, "sequential")
-    t0 = time.perf_counter()
-    for k, idx in enumerate(batches(cfg)):
-        hist.step_loss.append(sequential_step(net, opt, x[idx], y[idx]))
-        bar.update(1)
-        if k % 10 == 0:
-            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4g}")
-    hist.seconds = time.perf_counter() - t0
-    bar.close()
-    return hist
+    losses, secs = train_loop(batches(cfg), lambda idx: sequential_step(net, opt, x[idx], y[idx]),
+                              cfg.progress, "sequential")
+    return History(losses, secs)
 
 
 def train_distributed(cfg: Config, net: DistributedFNO2d, x: torch.Tensor,
@@ -158,19 +141,14 @@ def train_distributed(cfg: Config, net: DistributedFNO2d, x: torch.Tensor,
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     gsum = GradSum(P_x, net)
     xb, yb = x_block(x, P_x), x_block(y, P_x)
-    hist = History()
-    bar = _bar(cfg.progress and P_x.world.rank == 0, cfg.steps,
-               f"distributed ({P_x.size} ranks)")
-    t0 = time.perf_counter()
-    for k, idx in enumerate(batches(cfg)):
+
+    def step(idx):
         shape = (len(idx),) + tuple(x.shape[1:])
-        hist.step_loss.append(distributed_step(net, opt, gsum, xb[idx], yb[idx], shape))
-        bar.update(1)
-        if k % 10 == 0:
-            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4g}")
-    hist.seconds = time.perf_counter() - t0
-    bar.close()
-    return hist
+        return distributed_step(net, opt, gsum, xb[idx], yb[idx], shape)
+
+    losses, secs = train_loop(batches(cfg), step, cfg.progress and P_x.world.rank == 0,
+                              f"distributed ({P_x.size} ranks)")
+    return History(losses, secs)
 
 
 @torch.no_grad()
@@ -241,17 +219,8 @@ def report(cfg: Config, ranks: int, backend: str, seq: History, dist: History,
         **{k: v for k, v in asdict(cfg).items() if k != "progress"},
         "seconds": time.perf_counter() - started,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "fno.png"
-    try:
-        make_plot(seq, dist, cfg, ranks, sample, plot)
-        res["plot"] = str(plot)
-    except ImportError as e:
-        print(f"(no plot: {e})", file=sys.stderr)
-        res["plot"] = None
-    (out_dir / "fno.json").write_text(json.dumps(
-        {**res, "sequential_loss": seq.step_loss, "distributed_loss": dist.step_loss},
-        indent=1))
+    save_results(out_dir, "fno", res, seq.step_loss, dist.step_loss,
+                 lambda path: make_plot(seq, dist, cfg, ranks, sample, path))
     print(f"\nFNO / 2-D Poisson ({cfg.grid}x{cfg.grid}, width {cfg.width}, modes {cfg.modes}, "
           f"{cfg.layers} layers): {cfg.steps} Adam steps of {cfg.batch_size}, {cfg.dtype}, "
           f"{ranks} rank(s), backend {backend}")
@@ -275,17 +244,8 @@ def make_plot(seq: History, dist: History, cfg: Config, ranks: int, sample: tupl
     import matplotlib.pyplot as plt
 
     fig = plt.figure(figsize=(15, 7.5))
-    steps = np.arange(1, len(seq.step_loss) + 1)
-    ax = fig.add_subplot(2, 3, 1)
-    ax.plot(steps, seq.step_loss, lw=2.2, alpha=0.6, label="sequential")
-    ax.plot(steps, dist.step_loss, lw=0.9, ls="--", label=f"distributed ({ranks} ranks)")
-    ax.set(xlabel="training step", ylabel="MSE loss", yscale="log", title="training loss")
-    ax.legend(fontsize=8)
-    ax = fig.add_subplot(2, 3, 2)
-    d = np.abs(np.subtract(seq.step_loss, dist.step_loss))
-    ax.semilogy(steps, np.maximum(d, 1e-18), lw=0.8)
-    ax.set(xlabel="training step", ylabel="|loss difference| (0 drawn at 1e-18)",
-           title=f"sequential vs distributed ({cfg.dtype})")
+    loss_panels(fig.add_subplot(2, 3, 1), fig.add_subplot(2, 3, 2), seq.step_loss,
+                dist.step_loss, ranks, cfg.dtype, "MSE loss")
     f, u, us, ud = (t.detach().cpu().numpy() for t in sample)
     panels = [(f, "input f"), (u, "solution u of -lap u = f"),
               (us, f"sequential FNO (rel. err {seq.test_rel_error:.3f})"),

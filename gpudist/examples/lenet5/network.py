@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..common import UsageError
+
 # ranks -> (spatial grid (P_h, P_w) of C1..S4, affine weight grid (P_fo, P_fi))
 LAYOUTS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {
     1: ((1, 1), (1, 1)),
@@ -32,10 +34,6 @@ LAYOUTS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {
 }
 PARAM_LAYERS = ("c1", "c3", "c5", "f6", "out")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class UsageError(ValueError):
-    """A command-line value the example cannot use (message says what works)."""
 
 
 def supported_ranks() -> str:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mnist
+from ..common import progress_bar
 from .network import DTYPES, DistributedLeNet5, layout_for, make_distributed, make_sequential
 
 
@@ -123,13 +124,6 @@ def load_data(cfg: Config, raw: dict | None = None) -> Data:
     return Data(*parts)
 
 
-def _bar(show: bool, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not show, unit="step",
-                dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
-
-
 def train(cfg: Config, trial: int, net: nn.Module, step_fn, data: Data | None,
           blank: torch.Tensor, label: str) -> History:
     """Train ``net`` for ``cfg.epochs``; ``data`` is None on ranks other than 0."""
@@ -139,7 +133,7 @@ def train(cfg: Config, trial: int, net: nn.Module, step_fn, data: Data | None,
     steps = cfg.steps_per_epoch()
     for epoch in range(cfg.epochs):
         batches = mnist.batch_indices(cfg.n_train, cfg.batch_size, seed=seed, epoch=epoch)
-        bar = _bar(cfg.progress and data is not None, steps,
+        bar = progress_bar(cfg.progress and data is not None, steps,
                    f"{label} trial {trial + 1}/{cfg.trials} epoch {epoch + 1}/{cfg.epochs}")
         losses = []
         t0 = time.perf_counter()

@@ -6,12 +6,12 @@ parallel: sharded-weight linear layers, layer norm, embeddings), trained side by
 * ``python -m gpudist.examples.transformer`` -- the command line (:mod:`.__main__`).
 """
 
+from ..common import UsageError
 from .network import (
     CORPUS,
     CharTransformer,
     DistributedBlock,
     DistributedCharTransformer,
-    UsageError,
     make_distributed,
     make_sequential,
 )

@@ -13,7 +13,8 @@ import argparse
 import sys
 import time
 
-from .network import UsageError, check_layout
+from ..common import UsageError, run_example
+from .network import check_layout
 from .train import DTYPES, Config, task
 
 
@@ -47,28 +48,17 @@ def config_from(a: argparse.Namespace) -> Config:
                   progress=not a.no_progress)
 
 
+def check(a: argparse.Namespace) -> None:
+    check_layout(a.ranks, a.context, a.dim, a.heads)
+    for name in ("steps", "batch_size", "layers"):
+        if getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    from gpudist import launch
-
-    try:
-        check_layout(a.ranks, a.context, a.dim, a.heads)
-        for name in ("steps", "batch_size", "layers"):
-            if getattr(a, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-        if a.backend == "mpi" and launch.mpiexec() is None:
-            raise UsageError("--backend mpi needs mpiexec (pip install mpich mpi4py)")
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        launch.run(task, a.ranks, config_from(a), a.out, started, backend=a.backend,
-                   comm_timeout=a.timeout)
-    except launch.RankFailure as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_example(task, a, config_from, lambda: check(a), started)
 
 
 if __name__ == "__main__":

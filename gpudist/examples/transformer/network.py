@@ -41,6 +41,8 @@ from gpudist.nn.linear_sharded import (
     DistributedLinearReduceScatter,
 )
 
+from ..common import UsageError
+
 # a few paragraphs to learn from (written for this example)
 CORPUS = (
     "the workers split the sequence into blocks. each worker gathers the whole sequence "
@@ -52,10 +54,6 @@ CORPUS = (
     "small models learn small texts: they repeat what they have seen, letter by letter, "
     "and they guess the next letter from the letters before it. "
 )
-
-
-class UsageError(ValueError):
-    """A command-line value the example cannot use (the message says what works)."""
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int

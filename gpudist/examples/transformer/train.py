@@ -7,8 +7,6 @@ then rank 0 trains the sequential network alone, and the per-step losses are com
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 
 from gpudist.decomposition import block_range
 
-from ..common import GradSum
+from ..common import GradSum, loss_panels, save_results, train_loop
 from .network import (
     CORPUS,
     CharTransformer,
@@ -107,45 +105,27 @@ def seq_block(t: torch.Tensor, net: DistributedCharTransformer) -> torch.Tensor:
     return t[:, lo:hi].contiguous()
 
 
-def _bar(show: bool, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not show, unit="step", dynamic_ncols=True,
-                mininterval=0.5, file=sys.stderr)
-
-
 def train_sequential(cfg: Config, net: CharTransformer, data: torch.Tensor) -> History:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    hist = History()
-    bar = _bar(cfg.progress, cfg.steps, "sequential")
-    t0 = time.perf_counter()
-    for k, (x, t) in enumerate(batches(cfg, data)):
-        hist.step_loss.append(sequential_step(net, opt, x, t))
-        bar.update(1)
-        if k % 10 == 0:
-            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4f}")
-    hist.seconds = time.perf_counter() - t0
-    bar.close()
-    return hist
+    losses, secs = train_loop(batches(cfg, data),
+                              lambda b: sequential_step(net, opt, b[0], b[1]),
+                              cfg.progress, "sequential")
+    return History(losses, secs)
 
 
 def train_distributed(cfg: Config, net: DistributedCharTransformer, data: torch.Tensor
                       ) -> History:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     gsum = GradSum(net.P_x, net.head)
-    hist = History()
     w = net.P_x.world
-    bar = _bar(cfg.progress and w.rank == 0, cfg.steps, f"distributed ({w.size} ranks)")
-    t0 = time.perf_counter()
-    for k, (x, t) in enumerate(batches(cfg, data)):
-        hist.step_loss.append(distributed_step(net, opt, gsum, seq_block(x, net),
-                                               seq_block(t, net), cfg.batch_size))
-        bar.update(1)
-        if k % 10 == 0:
-            bar.set_postfix(loss=f"{hist.step_loss[-1]:.4f}")
-    hist.seconds = time.perf_counter() - t0
-    bar.close()
-    return hist
+
+    def step(b):
+        return distributed_step(net, opt, gsum, seq_block(b[0], net), seq_block(b[1], net),
+                                cfg.batch_size)
+
+    losses, secs = train_loop(batches(cfg, data), step, cfg.progress and w.rank == 0,
+                              f"distributed ({w.size} ranks)")
+    return History(losses, secs)
 
 
 @torch.no_grad()
@@ -205,17 +185,8 @@ def report(cfg: Config, ranks: int, backend: str, seq: History, dist: History,
         **{k: v for k, v in asdict(cfg).items() if k != "progress"},
         "seconds": time.perf_counter() - started,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot = out_dir / "transformer.png"
-    try:
-        make_plot(seq, dist, cfg, ranks, plot)
-        res["plot"] = str(plot)
-    except ImportError as e:
-        print(f"(no plot: {e})", file=sys.stderr)
-        res["plot"] = None
-    (out_dir / "transformer.json").write_text(json.dumps(
-        {**res, "sequential_loss": seq.step_loss, "distributed_loss": dist.step_loss},
-        indent=1))
+    save_results(out_dir, "transformer", res, seq.step_loss, dist.step_loss,
+                 lambda path: make_plot(seq, dist, cfg, ranks, path))
     print(f"\nchar transformer ({cfg.layers} blocks, dim {cfg.dim}, {cfg.heads} heads, context "
           f"{cfg.context}): {cfg.steps} Adam steps of {cfg.batch_size}, {cfg.dtype}, {ranks} "
           f"rank(s), backend {backend}")
@@ -238,16 +209,8 @@ def make_plot(seq: History, dist: History, cfg: Config, ranks: int, path: Path) 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
-    steps = np.arange(1, len(seq.step_loss) + 1)
-    ax[0].plot(steps, seq.step_loss, lw=2.2, alpha=0.6, label="sequential")
-    ax[0].plot(steps, dist.step_loss, lw=0.9, ls="--", label=f"distributed ({ranks} ranks)")
-    ax[0].set(xlabel="training step", ylabel="cross-entropy (nats / character)",
-              yscale="log", title="training loss")
-    ax[0].legend(fontsize=8)
-    d = np.abs(np.subtract(seq.step_loss, dist.step_loss))
-    ax[1].semilogy(steps, np.maximum(d, 1e-18), lw=0.8)
-    ax[1].set(xlabel="training step", ylabel="|loss difference| (0 drawn at 1e-18)",
-              title=f"sequential vs distributed ({cfg.dtype})")
+    loss_panels(ax[0], ax[1], seq.step_loss, dist.step_loss, ranks, cfg.dtype,
+                "cross-entropy (nats / character)")
     fig.suptitle(f"character transformer, sequence split over {ranks} rank(s); Adam lr "
                  f"{cfg.lr}")
     fig.tight_layout()
