@@ -196,8 +196,9 @@ def _collect_vs_distribute():
 
 def test_collect_against_distribute(cluster):
     errs, secs = _run_timed(cluster, 3, _collect_vs_distribute)
-    assert all(e is not None and e.type == "MismatchError" for e in errs), errs
-    assert "different operators" in errs[0].message
+    # each rank's own MismatchError, or a peer's that reached it first as a RemoteError
+    assert all(e is not None and e.type in ("MismatchError", "RemoteError") and
+               "different operators" in e.message for e in errs), errs
     assert secs < FAST, secs
 
 
