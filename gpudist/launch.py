@@ -57,6 +57,21 @@ def mpiexec() -> str | None:
 
 
 # --------------------------------------------------------------------------- rank side
+def _post_unless_everywhere(e: BaseException) -> None:
+    """A task that raised what its peers may not raise (e.g. a local torch error in
+    backward, outside any gpudist call) ends the world, as the excepthook does for an
+    uncaught exception in a real program: the peers stop waiting at once."""
+    from gpudist import runtime
+    from gpudist.errors import is_everywhere
+
+    w = runtime._WORLD
+    if w is not None and w.control.aborted is None and not is_everywhere(e):
+        try:
+            w.control.abort(e, "a task of the rank pool")
+        except Exception:  # noqa: BLE001 - best effort: the result is reported anyway
+            pass
+
+
 def serve(conn: Connection) -> None:
     """A rank's loop: run tasks until told to stop; report each result and whether the
     world is still usable (an aborted world ends the pool)."""
@@ -74,6 +89,7 @@ def serve(conn: Connection) -> None:
             out = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # report everything, keep serving
             out = ("err", RankError(type(e).__name__, str(e), traceback.format_exc()))
+            _post_unless_everywhere(e)
         w = gpudist.runtime._WORLD
         alive = w is not None and w.control.aborted is None
         try:

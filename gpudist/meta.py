@@ -5,7 +5,7 @@ communicator, so any two of them match whatever the ranks were doing, and every 
 every row and raises the same error:
 
 * :func:`derive_spec` -- the global shape of a tensor from its blocks' local shapes (what
-  a plain local tensor needs once; a :class:`~gpudist.spec.DistTensor` never does);
+  a plain local tensor needs at every call; a :class:`~gpudist.spec.DistTensor` never);
 * :func:`verify` -- run at the first call of every plan: the operator, its configuration,
   the tensor's spec and whether each rank's block matches it, compared across the
   participants. Programs that disagree (another layer, another dtype, a lying shape hint)

@@ -1,8 +1,8 @@
 """What every gpudist layer shares.
 
 :class:`DistributedModule` takes a :class:`~gpudist.spec.DistTensor` (or a plain local
-block, whose spec is found once per local shape by a metadata exchange over the layer's
-participants), looks up the plan for that spec (made at the first call: every rank
+block, whose spec is found at every call by a metadata exchange over the world: every rank
+calls every layer), looks up the plan for that spec (made at the first call: every rank
 computes it from the spec alone, so a bad configuration raises the same error
 everywhere), checks the block, and runs the layer inside the control plane's failure
 scope. A DistTensor in gives a DistTensor out; a plain tensor gives a plain tensor.
@@ -54,24 +54,20 @@ class DistributedModule(torch.nn.Module):
         self.participants = tuple(ranks)
         g = self.world.transport.group(ranks) if len(ranks) > 1 else None  # collective
         self.part_group = g if self.world.rank in ranks else None
+        n = self.world.size  # every rank calls every layer: plain blocks are described here
+        self.world_group = self.world.transport.group(range(n)) if n > 1 else None
         self._plans = LRU(self.world.cache_size)
-        self._plain = LRU(self.world.cache_size)
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
     def spec_of(self, x: torch.Tensor) -> TensorSpec:
-        """The spec of a plain block: derived over the participants once per local shape
-        (every call where some participant holds no block to tell a change by)."""
-        key = (tuple(x.shape), x.dtype, x.device.type)
-        covers = set(self.participants) <= set(self.P_in.ranks)
-        sp = self._plain.get(key) if covers else None
-        if sp is None:
-            sp = derive_spec(self.P_in, x, self.name, self.part_group)
-            if covers:
-                self._plain.get_or_make(key, lambda: sp)
-        return sp
+        """The spec of a plain block: one metadata exchange over the world at every call.
+        A rank cannot tell from its own block whether another rank's block changed (nor
+        can a rank outside the layer tell a bad input), so a plain block costs one small
+        collective per call; a :class:`DistTensor` costs none."""
+        return derive_spec(self.P_in, x, self.name, self.world_group)
 
     def plan(self, spec: TensorSpec):
         """The layer's plan for input ``spec`` (cached, LRU)."""
@@ -90,10 +86,9 @@ class DistributedModule(torch.nn.Module):
         with self.world.control.scope(self.name):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
-            if not dist_in and self.world.rank not in self.participants:
-                return local
             spec = x.spec if dist_in else self.spec_of(local)
             plan = self.plan(spec)
+            self.check_call(plan)
             local = spec.adopt(local)
             spec.check_local(local, self.name)
             if self.world.rank in self.participants:
@@ -105,6 +100,10 @@ class DistributedModule(torch.nn.Module):
 
     def make_plan(self, spec: TensorSpec):
         raise NotImplementedError
+
+    def check_call(self, plan) -> None:
+        """Checks of a call that depend on the module's state too (e.g. training), run on
+        every rank, so every rank raises alike."""
 
     def run(self, x: torch.Tensor, plan) -> torch.Tensor:
         raise NotImplementedError

@@ -84,7 +84,7 @@ class DistributedLinear(ShardedParameters, DistributedModule):
     def spec_of(self, x):
         from ..meta import derive_spec  # (..., batch, features): only features split
 
-        return derive_spec(self.P_in, x, self.name, self.part_group,
+        return derive_spec(self.P_in, x, self.name, self.world_group,
                            lambda nd: (REPLICATE, nd - 1))
 
     def run(self, x: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:

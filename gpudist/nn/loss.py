@@ -96,10 +96,9 @@ class DistributedLoss(DistributedModule):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
             t = target.local if isinstance(target, DistTensor) else target
-            if not dist_in and self.world.rank not in self.participants:
-                return local.sum() * 0
             spec = x.spec if dist_in else self.spec_of(local)
             plan = self.plan(spec)
+            local = spec.adopt(local)
             spec.check_local(local, self.name)
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
             if self.reduction == "none":

@@ -101,16 +101,18 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         count = math.prod(g) // max(g[1], 1)
         return _NormPlan(spec, self.stats.plan(st), params, count)
 
+    def check_call(self, plan: _NormPlan) -> None:
+        if self.training and plan.count <= 1:
+            raise raised_everywhere(ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{list(plan.out.global_shape)}"))
+
     def run(self, x: torch.Tensor, plan: _NormPlan) -> torch.Tensor:
         w = self.params.apply(self.weight, plan.params) if self.params is not None else None
         b = self.params.apply(self.bias, plan.params) if self.params is not None else None
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps), w, b)
-        if self.training and plan.count <= 1:
-            raise raised_everywhere(ValueError(
-                f"Expected more than 1 value per channel when training, got input size "
-                f"{list(plan.out.global_shape)}"))
         y, mean, var = _SyncBatchNorm.apply(x, w, b, self.stats, plan.stats, self.eps)
         if self.training and self.track_running_stats:
             with torch.no_grad():

@@ -30,7 +30,7 @@ halo geometry (a worker needing data from beyond its direct neighbours is a
 :class:`~gpudist.errors.HaloError` on every worker), the halo exchange fetches the halos, and
 each worker applies the taps dimension by dimension with ``index_select`` and its weights.
 The adjoint is autograd's (``index_add`` of the weighted gradients, then the exchange's
-adjoint H*). The global input shape is all-gathered once per local shape.
+adjoint H*). The global input shape comes with a DistTensor (a plain block: one exchange per call).
 """
 
 from __future__ import annotations
@@ -464,6 +464,8 @@ class DistributedUpsample(DistributedModule):
     # -- forward ----------------------------------------------------------------------
     def run(self, x: torch.Tensor, plan) -> torch.Tensor:
         if self.local_torch:
+            if x.numel() == 0 or 0 in plan.out.local_shape:  # torch refuses empty blocks
+                return x.new_zeros(plan.out.local_shape) + x.sum() * 0
             return F.interpolate(x, self.size, self.scale_factor, self.mode, self._align_arg,
                                  self.recompute_scale_factor)
         y = self.halo.apply(x, plan.halo)

@@ -15,7 +15,7 @@ numbered for the control plane's diagnostics, errors posted to the world
 (:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
 backward is the adjoint. A :class:`~gpudist.spec.DistTensor` in gives a DistTensor out; a
 plain local tensor in gives a plain tensor out, its spec found by one metadata exchange
-per local shape.
+per call.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class Primitive(torch.nn.Module):
         self.uid = world.next_uid(("primitive", self.participants))
         self.config = stable_hash((self.name, config, self.uid))
         self._plans: LRU = LRU(world.cache_size)
-        self._plain: LRU = LRU(world.cache_size)
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -144,16 +143,10 @@ class Primitive(torch.nn.Module):
         return self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
 
     def spec_of(self, x: torch.Tensor) -> TensorSpec:
-        """The spec of a plain local block: a metadata exchange once per local shape, or at
-        every call where some participant holds no input block to tell a change by."""
-        if not set(self.participants) <= set(self.in_partition.ranks):
-            return self.derive(x)
-        key = (tuple(x.shape), x.dtype, x.device.type)
-        sp = self._plain.get(key)
-        if sp is None:
-            sp = self.derive(x)
-            self._plain.get_or_make(key, lambda: sp)
-        return sp
+        """The spec of a plain local block: a metadata exchange over the participants at
+        every call (a rank cannot tell from its own block whether a peer's changed); a
+        :class:`~gpudist.spec.DistTensor` input needs none."""
+        return self.derive(x)
 
     def derive(self, x: torch.Tensor) -> TensorSpec:
         return derive_spec(self.in_partition, x, self.name, self.group)
