@@ -238,33 +238,35 @@ def test_bfloat16_sums(cluster, backend):
 
 
 # ------------------------------------------------------------------ real launchers
-def _launch(case, backend):
+def _launch(case, backend, tmp):
     script = str(ROOT / "tests" / "fault_script.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    args = [script, case, "--backend", backend, "--dir", str(tmp)]
     if backend == "mpi":
-        cmd = [mpiexec(), "-n", "3", sys.executable, script, case, "--backend", "mpi"]
+        cmd = [mpiexec(), "-n", "3", sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "3", script, case, "--backend", "gloo"]
+               "--nproc_per_node", "3", *args]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     return p, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("case", ["raise", "exit", "quit"])
+@pytest.mark.parametrize("case", ["raise", "exit", "quit", "ckpt"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
-def test_failing_rank_under_a_launcher(case, backend):
-    """Under torchrun / mpiexec: one rank raises, exits, or leaves without finalize; the job
-    ends non-zero within seconds and the others' errors name rank 1."""
-    p, secs = _launch(case, backend)
+def test_failing_rank_under_a_launcher(case, backend, tmp_path):
+    """Under torchrun / mpiexec: one rank raises, exits, leaves without finalize, or fails
+    to read its truncated checkpoint; the job ends non-zero within seconds and the others'
+    errors name rank 1."""
+    p, secs = _launch(case, backend, tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "done" not in p.stdout, out  # nobody finished as if nothing happened
     assert secs < 40, (secs, out)
     if case == "raise":
         assert "rank 1 gave up on purpose" in out, out
-    if case in ("raise", "quit"):  # the failing rank posted its error: the others name it
+    if case in ("raise", "quit", "ckpt"):  # the failing rank posted its error: named
         assert "rank 1 failed with" in out and "RemoteError" in out, out
     elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers
         assert "closed its connection" in out, out
