@@ -219,7 +219,7 @@ def _bad(which):
     ("groups", "ValueError", "groups=2 is not supported"),
     ("output_padding", "ValueError", "output_padding (1,)"),
     ("channels_input", "ShapeError", "has 5 channels"),
-    ("dtype", "ShapeError", "the layer's parameters torch.float32"),
+    ("dtype", "DeviceError", "the layer's parameters float32"),
     ("small_input", "ShapeError", "kernel is larger"),
 ])
 def test_errors_on_every_rank(cluster, which, err, text):

@@ -270,3 +270,26 @@ def test_failing_rank_under_a_launcher(case, backend, tmp_path):
         assert "rank 1 failed with" in out and "RemoteError" in out, out
     elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers
         assert "closed its connection" in out, out
+
+
+# ------------------------------------------------------------------ input vs parameters
+def _input_dtype_vs_parameters():
+    """A float32 input into a float64 layer: DeviceError on every rank (torch's layer
+    refuses the mix too), and the world stays usable."""
+    P = Partition.grid((1, 1, 2, 2))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
+    x = DistTensor.from_local(torch.randn(2, 2, 4, 4), P, (2, 2, 8, 8))
+    try:
+        conv(x)
+        err = None
+    except gpudist.DeviceError as e:
+        err = str(e)
+    y = conv(x.to(torch.float64))
+    return err, tuple(y.shape)
+
+
+def test_input_dtype_against_parameters(cluster, backend):
+    res = cluster.run(4, _input_dtype_vs_parameters, backend=backend)
+    assert all(e is not None and "float32" in e and "float64" in e for e, _ in res), res
+    assert all(s == (2, 3, 8, 8) for _, s in res), res

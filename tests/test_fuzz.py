@@ -111,7 +111,7 @@ def _vary(rng: random.Random, gshape, dims) -> list[int]:
 
 
 def _gen_conv(rng, n, cfg, transpose=False):
-    nd = rng.choice([1, 2]) if transpose else rng.choice([1, 1, 2, 2, 3])
+    nd = rng.choice([1, 1, 1, 2, 2, 2, 3] if transpose else [1, 1, 2, 2, 3])
     hi = 3 if nd == 3 else 5
     cfg.update(nd=nd, cin=rng.randint(1, 4), cout=rng.randint(1, 4),
                k=_per_dim(rng, nd, 1, 3 if nd == 3 else 5), s=_per_dim(rng, nd, 1, 3),
@@ -261,9 +261,135 @@ def _gen_sharded(rng, n, cfg):
                x_ranks=xranks, gshapes=[gshape], vary=list(range(nd - 1)))
 
 
+def _gen_chconv(rng, n, cfg):
+    """The channel-partitioned convolutions: P_x = (P_d, P_c, 1, ..)."""
+    t = rng.random() < 0.4
+    nd = rng.choice([1, 1, 2, 2, 3])
+    hi = 3 if nd == 3 else 5
+    cfg.update(form=rng.choice(["ag", "rs"]), transposed=t, nd=nd, cin=rng.randint(1, 5),
+               cout=rng.randint(1, 5), k=_per_dim(rng, nd, 1, 3 if nd == 3 else 4),
+               s=_per_dim(rng, nd, 1, 3), d=_per_dim(rng, nd, 1, 2 if rng.random() < 0.5 else 1),
+               bias=rng.random() < 0.7, groups=1, mode="zeros")
+    if rng.random() < 0.05:  # torch groups it, gpudist refuses
+        cfg["cin"], cfg["cout"], cfg["groups"] = 2 * rng.randint(1, 2), 2, 2
+    if t:
+        cfg["p"] = _per_dim(rng, nd, 0, 2)
+        s, d = _dims(cfg["s"], nd), _dims(cfg["d"], nd)
+        q = [rng.randint(0, max(si, di) - 1) for si, di in zip(s, d)]
+        if rng.random() < 0.1:
+            q[0] = max(s[0], d[0])  # rejected by both
+        cfg["q"] = q
+    else:
+        r = rng.random()
+        cfg["p"] = "same" if r < 0.15 else "valid" if r < 0.25 else _per_dim(rng, nd, 0, 2)
+        if rng.random() < 0.2:
+            cfg["mode"] = rng.choice(["reflect", "replicate", "circular"])
+    gshape = [rng.randint(1, 4), cfg["cin"]] + [_size(rng, 1, hi * 3) for _ in range(nd)]
+    if rng.random() < 0.05:
+        gshape[1] = cfg["cin"] + 1  # a wrong channel count: both refuse
+    # (P_d, P_c, 1..); now and then a spatial dim split too (refused)
+    split = [0, 1] + ([rng.randint(2, nd + 1)] if rng.random() < 0.08 else [])
+    xshape, xranks = _partition(rng, n, nd + 2, split)
+    cfg.update(x_shape=xshape, x_ranks=xranks, gshapes=[gshape],
+               vary=[0] + list(range(2, nd + 2)))
+
+
+def _gen_experts(rng, n, cfg):
+    """(experts, tokens.., features): experts split over axis 0; AllGather form: features
+    whole; ReduceScatter form: ``dim`` whole."""
+    form = rng.choice(["eag", "ers", "eagz", "ersz"])
+    nd = rng.choice([3, 3, 4])
+    E, fin, fout = rng.randint(1, 4), _size(rng, 1, 7), _size(rng, 1, 7)
+    dim = rng.choice([-2, -2] + list(range(1, nd - 1)))
+    if rng.random() < 0.04:
+        dim = rng.choice([0, nd - 1])  # the experts or the features: refused
+    gshape = [E] + [_size(rng, 1, 5) for _ in range(nd - 2)] + [fin]
+    if rng.random() < 0.05:
+        gshape[rng.choice([0, nd - 1])] += 1  # wrong experts or features: both refuse
+    whole = nd - 1 if form in ("eag", "eagz") else dim % nd
+    split = [d for d in range(nd) if d != whole] if rng.random() < 0.9 else range(nd)
+    xshape, xranks = _partition(rng, n, nd, split)
+    cfg.update(form=form, E=E, fin=fin, fout=fout, dim=dim, bias=rng.random() < 0.7,
+               x_shape=xshape, x_ranks=xranks, gshapes=[gshape], vary=list(range(1, nd - 1)))
+
+
+def _factor(rng: random.Random, m: int, nd: int) -> list[int]:
+    """A random shape of ``nd`` extents whose product is ``m``."""
+    shape = [1] * nd
+    for p in (2, 3, 5):
+        while m % p == 0:
+            m //= p
+            shape[rng.randrange(nd)] *= p
+    return shape
+
+
+def _gen_transpose(rng, n, cfg):
+    """P_in -> transposed_partition(P_in, a, b), or another partition of the same ranks."""
+    nd = rng.randint(1, 4)
+    xshape, xranks = _partition(rng, n, nd, range(nd))
+    r = rng.random()
+    if r < 0.75:
+        out = {"a": rng.randrange(nd), "b": rng.randrange(nd) - (nd if rng.random() < 0.3
+                                                                  else 0)}
+    elif r < 0.93:  # the same ranks, in another order, another shape
+        out = {"shape": _factor(rng, len(xranks), nd), "ranks": rng.sample(xranks, len(xranks))}
+    elif r < 0.97:  # other ranks: refused (use Repartition)
+        out = {"shape": list(xshape), "ranks": rng.sample(range(n), len(xranks))}
+    else:  # another number of dims: refused
+        out = {"shape": _factor(rng, len(xranks), nd + 1),
+               "ranks": rng.sample(xranks, len(xranks))}
+    gshape = [_size(rng, 1, 8) for _ in range(nd)]
+    cfg.update(x_shape=xshape, x_ranks=xranks, out=out, gshapes=[gshape], vary=list(range(nd)))
+
+
+LOSS_NAMES = {"mse": "MSELoss", "l1": "L1Loss", "nll": "NLLLoss",
+              "cross_entropy": "CrossEntropyLoss", "bce": "BCELoss",
+              "bce_with_logits": "BCEWithLogitsLoss", "kl_div": "KLDivLoss",
+              "poisson_nll": "PoissonNLLLoss"}
+
+
+def _gen_loss(rng, n, cfg):
+    """A loss of (input, target): the class losses (NLL, cross-entropy) with targets
+    without the class dim 1, the others element-wise with targets like the input."""
+    name = rng.choice(list(LOSS_NAMES))
+    classwise = name in ("nll", "cross_entropy")
+    nd = rng.randint(2, 4) if classwise else rng.randint(1, 4)
+    gshape = [_size(rng, 1, 5) for _ in range(nd)]
+    reduction = rng.choice(["mean", "sum", "none"])
+    if name == "kl_div" and rng.random() < 0.35 or rng.random() < 0.03:
+        reduction = "batchmean"  # kl_div's only: others refuse
+    opts: dict = {}
+    if classwise:
+        C = gshape[1]
+        if rng.random() < 0.3:
+            opts["weight"] = [C]
+        if rng.random() < 0.3:
+            opts["ignore_index"] = rng.randint(0, C - 1)
+        if name == "cross_entropy":
+            if rng.random() < 0.3:
+                opts["label_smoothing"] = rng.choice([0.1, 0.25])
+            cfg["probs"] = rng.random() < 0.2  # class probabilities as targets
+    elif name in ("bce", "bce_with_logits"):
+        for key in ("weight",) + (("pos_weight",) if name == "bce_with_logits" else ()):
+            if rng.random() < 0.3:  # trailing dims, some broadcast
+                j = rng.randint(1, nd)
+                opts[key] = [1 if rng.random() < 0.3 else g for g in gshape[nd - j:]]
+    elif name == "kl_div":
+        opts["log_target"] = rng.random() < 0.4
+    elif name == "poisson_nll":
+        opts["log_input"] = rng.random() < 0.6
+        opts["full"] = rng.random() < 0.5
+    split = range(nd) if not classwise else [0] + list(range(2, nd)) + (
+        [1] if rng.random() < 0.08 else [])
+    xshape, xranks = _partition(rng, n, nd, split)
+    cfg.update(loss=name, reduction=reduction, opts=opts, x_shape=xshape, x_ranks=xranks,
+               gshapes=[gshape], vary=[0] + list(range(2, nd)) if classwise else list(range(nd)))
+
+
 KINDS = [("conv", 6), ("convt", 4), ("maxpool", 3), ("avgpool", 3), ("upsample", 4),
          ("bn", 3), ("linear", 2), ("ln", 2), ("lnz", 1), ("rmsz", 1), ("emb", 2),
-         ("embz", 1), ("ag", 1), ("rs", 1), ("agz", 1), ("rsz", 1)]
+         ("embz", 1), ("ag", 1), ("rs", 1), ("agz", 1), ("rsz", 1), ("chconv", 3),
+         ("experts", 2), ("transpose", 2), ("loss", 3)]
 
 
 def make_config(seed: int, index: int) -> dict:
@@ -287,6 +413,14 @@ def make_config(seed: int, index: int) -> dict:
         _gen_norm(rng, n, cfg)
     elif kind in ("emb", "embz"):
         _gen_emb(rng, n, cfg)
+    elif kind == "chconv":
+        _gen_chconv(rng, n, cfg)
+    elif kind == "experts":
+        _gen_experts(rng, n, cfg)
+    elif kind == "transpose":
+        _gen_transpose(rng, n, cfg)
+    elif kind == "loss":
+        _gen_loss(rng, n, cfg)
     else:
         _gen_sharded(rng, n, cfg)
     if cfg["vary"] and rng.random() < 0.3:  # a second call: another global shape
@@ -300,9 +434,80 @@ def _t(v):
     return tuple(v) if isinstance(v, list) else v
 
 
+class _ExpertsRef(torch.nn.Module):
+    """The sequential expert layer: expert e's parameters those of a torch.nn.Linear built
+    in expert order; ``y[e] = x[e] W[e]^T + b[e]``."""
+
+    def __init__(self, E: int, fi: int, fo: int, bias: bool) -> None:
+        super().__init__()
+        lins = [torch.nn.Linear(fi, fo, bias=bias, dtype=F64) for _ in range(E)]
+        self.weight = torch.nn.Parameter(torch.stack([m.weight.detach() for m in lins]))
+        self.bias = torch.nn.Parameter(torch.stack([m.bias.detach() for m in lins])) \
+            if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("e...f,eof->e...o", x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias.reshape((self.bias.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
+        return y
+
+
+class _LossRef(torch.nn.Module):
+    """The torch loss module, held outside the state (its weight buffers are options)."""
+
+    def __init__(self, loss: torch.nn.Module) -> None:
+        super().__init__()
+        self.loss = [loss]
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.loss[0](x, t)
+
+
+def _loss_opts(cfg: dict) -> dict:
+    """The loss's options, tensor options (given by shape) made from the seed."""
+    opts = dict(cfg["opts"])
+    gen = torch.Generator().manual_seed(cfg["seed"] + 11)
+    for key in ("weight", "pos_weight"):
+        if key in opts:
+            opts[key] = 0.25 + torch.rand(tuple(opts[key]), generator=gen, dtype=F64)
+    return opts
+
+
+def _target(cfg: dict, call: int) -> torch.Tensor:
+    """The loss's global target for ``call``."""
+    g = tuple(cfg["gshapes"][call])
+    gen = torch.Generator().manual_seed(cfg["seed"] + 300 + call)
+    name = cfg["loss"]
+    if name in ("nll", "cross_entropy"):
+        if cfg.get("probs"):
+            return torch.softmax(torch.randn(g, generator=gen, dtype=F64), 1)
+        return torch.randint(0, g[1], g[:1] + g[2:], generator=gen)
+    if name in ("bce", "bce_with_logits") or name == "kl_div" and \
+            not cfg["opts"]["log_target"]:
+        return torch.rand(g, generator=gen, dtype=F64)
+    if name == "poisson_nll":
+        return torch.poisson(3 * torch.rand(g, generator=gen, dtype=F64), generator=gen)
+    return torch.randn(g, generator=gen, dtype=F64)
+
+
 def torch_layer(cfg: dict) -> torch.nn.Module:
     """The sequential layer (built from the current RNG state)."""
     kind = cfg["kind"]
+    if kind == "chconv":
+        if cfg["transposed"]:
+            cls = getattr(torch.nn, f"ConvTranspose{cfg['nd']}d")
+            return cls(cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
+                       _t(cfg["q"]), cfg["groups"], cfg["bias"], _t(cfg["d"]), dtype=F64)
+        cls = getattr(torch.nn, f"Conv{cfg['nd']}d")
+        return cls(cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
+                   _t(cfg["d"]), cfg["groups"], cfg["bias"], cfg["mode"], dtype=F64)
+    if kind == "experts":
+        return _ExpertsRef(cfg["E"], cfg["fin"], cfg["fout"], cfg["bias"])
+    if kind == "transpose":
+        return torch.nn.Identity()  # the global tensor is unchanged
+    if kind == "loss":
+        cls = getattr(torch.nn, LOSS_NAMES[cfg["loss"]])
+        return _LossRef(cls(reduction=cfg["reduction"], **_loss_opts(cfg)))
     if kind == "conv":
         cls = getattr(torch.nn, f"Conv{cfg['nd']}d")
         return cls(cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
@@ -342,6 +547,34 @@ def torch_layer(cfg: dict) -> torch.nn.Module:
 def dist_layer(cfg: dict):
     """(distributed layer, its input partition), built from the current RNG state."""
     kind = cfg["kind"]
+    if kind == "chconv":
+        P_x = Partition(cfg["x_ranks"], cfg["x_shape"])
+        form = "AllGather" if cfg["form"] == "ag" else "ReduceScatter"
+        if cfg["transposed"]:
+            cls = getattr(gnn, f"DistributedChannel{form}ConvTranspose{cfg['nd']}d")
+            return cls(P_x, cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
+                       _t(cfg["q"]), cfg["groups"], cfg["bias"], _t(cfg["d"]),
+                       dtype=F64), P_x
+        cls = getattr(gnn, f"DistributedChannel{form}Conv{cfg['nd']}d")
+        return cls(P_x, cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
+                   _t(cfg["d"]), cfg["groups"], cfg["bias"], cfg["mode"], dtype=F64), P_x
+    if kind == "experts":
+        P_x = Partition(cfg["x_ranks"], cfg["x_shape"])
+        cls = {"eag": gnn.DistributedExpertAllGather, "ers": gnn.DistributedExpertReduceScatter,
+               "eagz": gnn.DistributedExpertAllGatherZero,
+               "ersz": gnn.DistributedExpertReduceScatterZero}[cfg["form"]]
+        return cls(P_x, cfg["E"], cfg["fin"], cfg["fout"], cfg["bias"], dim=cfg["dim"],
+                   dtype=F64), P_x
+    if kind == "transpose":
+        P_x = Partition(cfg["x_ranks"], cfg["x_shape"])
+        out = cfg["out"]
+        P_out = gnn.transposed_partition(P_x, out["a"], out["b"]) if "a" in out else \
+            Partition(out["ranks"], out["shape"])
+        return gnn.DistributedTranspose(P_x, P_out), P_x
+    if kind == "loss":
+        P_x = Partition(cfg["x_ranks"], cfg["x_shape"])
+        cls = getattr(gnn, "Distributed" + LOSS_NAMES[cfg["loss"]])
+        return cls(P_x, cfg["reduction"], **_loss_opts(cfg)), P_x
     if kind in ("conv", "convt"):
         P_x = Partition(cfg["x_ranks"], cfg["x_shape"])
         kw = {"dtype": F64}
@@ -401,7 +634,12 @@ def _input(cfg: dict, call: int) -> torch.Tensor:
     if cfg["kind"] in ("emb", "embz"):
         gen = torch.Generator().manual_seed(cfg["seed"] + 100 + call)
         return torch.randint(0, cfg["num"], g, generator=gen)
-    return global_tensor(g, seed=cfg["seed"] + 100 + call)
+    G = global_tensor(g, seed=cfg["seed"] + 100 + call)
+    if cfg["kind"] == "loss" and cfg["loss"] == "bce":
+        return torch.sigmoid(G)  # probabilities
+    if cfg["kind"] == "loss" and cfg["loss"] == "poisson_nll" and not cfg["opts"]["log_input"]:
+        return G.abs() + 0.1  # rates
+    return G
 
 
 def _perturb(cfg: dict, seq: torch.nn.Module) -> None:
@@ -439,7 +677,7 @@ def torch_run(cfg: dict) -> dict:
             stage = f"call{call}"
             G = _input(cfg, call)
             x = G.clone().requires_grad_(G.is_floating_point())
-            Y = seq(x)
+            Y = seq(x, _target(cfg, call)) if cfg["kind"] == "loss" else seq(x)
             dY = global_tensor(Y.shape, seed=cfg["seed"] + 200 + call)
             Y.backward(dY)
             out["calls"].append({"y": Y.detach().clone(), "dx": x.grad.clone()
@@ -476,6 +714,21 @@ def _torch(obj):
     return obj
 
 
+def _out_partition(cfg: dict, layer, P_x: Partition) -> tuple[Partition, Partition]:
+    """(the partition of the output, of a loss's target) on every rank."""
+    kind = cfg["kind"]
+    if kind == "transpose":
+        return layer.P_out, P_x
+    if kind == "loss":
+        P_t = P_x
+        if cfg["loss"] in ("nll", "cross_entropy"):  # the input's without the class dim
+            P_t = Partition(P_x.ranks, P_x.shape[:1] + P_x.shape[2:])
+        return (P_t if cfg["reduction"] == "none" else P_x), \
+            (P_x if cfg.get("probs") else P_t)
+    P_y = getattr(layer, "P_y", None)
+    return (layer.P_x if P_y is None else P_y), P_x
+
+
 def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
     """On every rank: build, load ``sd``, run the calls (forward, backward, gathers)."""
     out: dict = {"calls": [], "error": None}
@@ -494,6 +747,9 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
                 layer.load_global_state_dict(sd)
         if cfg.get("training") is False:
             layer.eval()
+        P_y, P_t = _out_partition(cfg, layer, P_x)
+        # a reduced loss: a 0-dim tensor on every rank (the value on the root's)
+        scalar = cfg["kind"] == "loss" and cfg["reduction"] != "none"
         for call in range(len(cfg["gshapes"])):
             stage = f"call{call}"
             res: dict = {}
@@ -502,9 +758,11 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
             x = block_of(G, P_x)
             if x.is_floating_point():
                 x.requires_grad_(True)
-            y = layer(DistTensor.from_local(x, P_x, gshape) if cfg["dist"] else x)
-            P_y = getattr(layer, "P_y", None)
-            P_y = layer.P_x if P_y is None else P_y
+            xin = DistTensor.from_local(x, P_x, gshape) if cfg["dist"] else x
+            if cfg["kind"] == "loss":
+                y = layer(xin, block_of(_target(cfg, call), P_t))
+            else:
+                y = layer(xin)
             ysh = yshapes[call] if call < len(yshapes) else None
             if isinstance(y, DistTensor):
                 res["where"] = [list(y.partition.ranks), list(y.partition.shape),
@@ -512,10 +770,17 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
                 y = y.local
             elif not cfg["dist"] and isinstance(y, torch.Tensor):
                 res["where"] = "plain"
-            if not P_y.active:
+            if scalar:
+                if y.dim() != 0:
+                    res["scalar"] = f"a loss of shape {tuple(y.shape)}"
+                elif not layer.root.active and float(y.detach()) != 0:
+                    res["scalar"] = f"a loss {float(y.detach())} off the root"
+            elif not P_y.active:
                 res["inactive_numel"] = y.numel()
             if ysh is None:  # torch rejected this call: gpudist should have too
                 dy = torch.zeros_like(y)
+            elif scalar:  # every rank calls backward with the same seed
+                dy = global_tensor(ysh, seed=cfg["seed"] + 200 + call)
             elif P_y.active:
                 dy = block_of(global_tensor(ysh, seed=cfg["seed"] + 200 + call), P_y)
             else:
@@ -527,9 +792,13 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
                 out["calls"].append(res)
                 continue
             stage = f"call{call}.gather"
-            yg, root = gather(y.detach(), P_y, ysh)
-            if root.active:
-                res["y"] = yg
+            if scalar:
+                if layer.root.active:
+                    res["y"] = y.detach().clone()
+            else:
+                yg, root = gather(y.detach(), P_y, ysh)
+                if root.active:
+                    res["y"] = yg
             if x.is_floating_point():
                 dx = x.grad if x.grad is not None else torch.zeros_like(x)
                 dxg, rootx = gather(dx, P_x, gshape)
@@ -618,6 +887,8 @@ def _compare(ref: dict, outs: list, upto: int) -> list[str]:
             w = res.get("where")
             if w is not None and w != "plain" and list(w[2]) != list(want["y"].shape):
                 bad.append(f"call{c} rank {r}: DistTensor out of global shape {w[2]}")
+            if res.get("scalar"):
+                bad.append(f"call{c} rank {r}: {res['scalar']}")
     if upto < len(ref["calls"]) or "grads" not in ref:
         return bad
     for what in ("grads", "state"):

@@ -354,7 +354,7 @@ def _bad(which):
     elif which == "norm_input":
         P = Partition.grid((2, 2))
         layer = DistributedRMSNormZero(P, 6)
-        layer(DistTensor.from_local(block_of(global_tensor((4, 5)), P), P, (4, 5)))
+        layer(DistTensor.from_local(block_of(global_tensor((4, 5)).float(), P), P, (4, 5)))
     elif which == "emb_partition":
         DistributedEmbedding(Partition.grid((2, 2)), 10, 4)
     elif which == "emb_sparse":

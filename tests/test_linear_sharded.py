@@ -282,7 +282,8 @@ def _bad(which):
     elif which == "input_features":
         P = Partition.grid((2, 2, 1))
         layer = DistributedLinearAllGather(P, 6, 4)
-        layer(DistTensor.from_local(block_of(global_tensor((2, 4, 5)), P), P, (2, 4, 5)))
+        layer(DistTensor.from_local(block_of(global_tensor((2, 4, 5)).float(), P), P,
+                                    (2, 4, 5)))
     elif which == "input_dtype":
         P = Partition.grid((1, 1, 4))
         layer = DistributedLinearReduceScatter(P, 5, 4)  # float32 parameters
@@ -300,7 +301,7 @@ def _bad(which):
     ("too_few_out", "PartitionError", "out_features=3 is fewer than the 4"),
     ("expert_dim0", "ValueError", "and the experts"),
     ("input_features", "ShapeError", "expected an input of shape [*, *, 6]"),
-    ("input_dtype", "ShapeError", "the parameters torch.float32"),
+    ("input_dtype", "DeviceError", "the layer's parameters float32"),
     ("input_experts", "ShapeError", "[3, *, 5]"),
 ])
 def test_errors_on_every_rank(cluster, which, err, text):

@@ -209,3 +209,30 @@ def test_bad_options_raise_on_every_rank(cluster):
             x = torch.zeros((1, 1) + (8,) * int(name[-2]))
             with pytest.raises((ValueError, RuntimeError)):
                 getattr(torch.nn, name)(**opts)(x)
+
+
+def _padding_only_windows():
+    """Max pool where some windows read padding only (dilation 2 over a length-1 input):
+    torch's own max pool reports an index outside the input there (and its backward writes
+    out of bounds); gpudist puts the padding into its buffer instead. Reference: torch on
+    the input explicitly padded with -inf (every index in range)."""
+    P = Partition([1, 2, 0], (1, 3, 1))
+    G = global_tensor((3, 2, 1))
+    x = block_of(G, P).requires_grad_(True)
+    y = gnn.DistributedMaxPool1d(P, 2, 3, 1, dilation=2)(x)
+    dY = global_tensor((3, 2, 1), seed=5)
+    if y.requires_grad:
+        y.backward(block_of(dY, P))
+    Gs = G.clone().requires_grad_(True)
+    Y = torch.nn.functional.max_pool1d(
+        torch.nn.functional.pad(Gs, (1, 1), value=float("-inf")), 2, 3, 0, 2)
+    Y.backward(dY)
+    yg, root = gather(y, P, (3, 2, 1))
+    dxg, _ = gather(x.grad, P, (3, 2, 1))
+    return root.active, (bool(torch.equal(yg, Y.detach())) and bool(torch.equal(dxg, Gs.grad))
+                         if root.active else None)
+
+
+def test_max_pool_windows_of_padding_only(cluster):
+    res = cluster.run(3, _padding_only_windows)
+    assert [ok for active, ok in res if active] == [True], res

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..buffers import LRU
-from ..errors import ShapeError, planning_error, raised_everywhere
+from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..primitives import Repartition
@@ -69,8 +69,29 @@ class DistributedModule(torch.nn.Module):
         collective per call; a :class:`DistTensor` costs none."""
         return derive_spec(self.P_in, x, self.name, self.world_group)
 
+    #: whether inputs must have the parameters' floating dtype (as torch's layers want)
+    same_dtype_as_parameters = True
+
+    def check_kind(self, spec: TensorSpec) -> None:
+        """The input's device and floating dtype against the parameters' (every rank
+        raises alike: parameters have the same dtype and device everywhere)."""
+        p = next((q for q in self.parameters() if q.is_floating_point()), None)
+        if p is None:
+            return
+        if spec.device_type != p.device.type:
+            raise raised_everywhere(DeviceError(
+                f"{self.name}: the input is on {spec.device_type}, the layer's parameters on "
+                f"{p.device.type}; move one of them (layer.to(device) or x.to(device))"))
+        if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
+                and spec.dtype != p.dtype and not torch.is_autocast_enabled(p.device.type)):
+            raise raised_everywhere(DeviceError(
+                f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}, the "
+                f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
+                f"them (torch's layer refuses the mix too)"))
+
     def plan(self, spec: TensorSpec):
         """The layer's plan for input ``spec`` (cached, LRU)."""
+        self.check_kind(spec)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
                 f"{self.name}: the input is distributed over partition {spec.partition.shape}"

@@ -182,10 +182,6 @@ class _ChannelConvNd(ZeroParameters, DistributedModule):
             raise raised_everywhere(ShapeError(
                 f"{name}: the input {spec.describe()} has {g[1]} channels, the layer takes "
                 f"{self.in_channels}"))
-        if spec.dtype != self.weight.dtype:
-            raise raised_everywhere(ShapeError(
-                f"{name}: the input is {spec.dtype}, the layer's parameters "
-                f"{self.weight.dtype}: convert one of them"))
         m = self.out_size(g[2:])
         if min(m, default=1) < 1:
             raise raised_everywhere(ShapeError(

@@ -59,6 +59,8 @@ class _EmbPlan:
 class _Embedding(DistributedModule):
     """What both embeddings share (the weight's placement differs: ``_place``)."""
 
+    same_dtype_as_parameters = False  # the input is indices
+
     def __init__(self, P: Partition, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None = None, max_norm: float | None = None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False,

@@ -227,10 +227,6 @@ class _ShardedLinear(DistributedModule):
             raise raised_everywhere(ShapeError(
                 f"{self.name}: expected an input of shape {want} split the standard way "
                 f"over partition {self.P_x.shape}, got {spec.describe()}"))
-        if spec.dtype != self.weight.dtype:
-            raise raised_everywhere(ShapeError(
-                f"{self.name}: the input is {spec.dtype}, the parameters "
-                f"{self.weight.dtype}"))
         dev, dt = spec.device_type, spec.dtype
         y = g[:-1] + (self.out_features,)
         if self.gather_form:

@@ -49,6 +49,15 @@ def pool_output_length(L: int, k: int, s: int, p: int, d: int, ceil_mode: bool) 
     return m
 
 
+def _padding_only_window(L: int, k: int, s: int, p: int, d: int, m: int) -> bool:
+    """Whether some of the ``m`` pooling windows reads padding only (no entry of
+    ``[0, L)``), which a dilation can cause."""
+    o = torch.arange(m, dtype=torch.int64)
+    first = o * s - p  # the first tap of each window
+    j = (-first).clamp(min=0).add(d - 1).div(d, rounding_mode="floor")  # first tap >= 0
+    return bool(((j >= k) | (first + j * d >= L)).any())
+
+
 def window_counts(L: int, k: int, s: int, p: int, outputs: tuple[int, int],
                   include_pad: bool) -> torch.Tensor:
     """Per-output count of torch's average-pooling window in one dimension (int64), for the
@@ -63,6 +72,7 @@ def window_counts(L: int, k: int, s: int, p: int, outputs: tuple[int, int],
 @dataclass
 class _PoolPlan:
     out: TensorSpec
+    halo_op: HaloExchange
     halo: Plan
     pads: tuple[int, ...]
     empty_out: bool
@@ -104,6 +114,11 @@ class _DistributedPoolNd(DistributedModule):
         fill = float("-inf") if self.kind == "max" else 0.0
         self.halo = HaloExchange(P_x, geometry=self.geometry, pad_value=fill, op_padding=True,
                                  owns_gradient=True)
+        # max pooling where some window reads padding only: the padding goes into the
+        # buffer (torch's max pool reports an index outside the input for such a window,
+        # and its backward writes there)
+        self.halo_padded = HaloExchange(P_x, geometry=self.geometry, pad_value=fill,
+                                        owns_gradient=True) if self.kind == "max" else None
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.k}, stride={self.s}, padding={self.p}, "
@@ -137,13 +152,18 @@ class _DistributedPoolNd(DistributedModule):
         out = TensorSpec(self.P_x, spec.global_shape[:2] + tuple(x.output_size
                                                                    for x in geo[2:]),
                          spec.dtype, spec.device_type)
-        hp = self.halo.plan(spec) if self.P_x.active else None
+        halo = self.halo
+        if self.halo_padded is not None and any(
+                _padding_only_window(L, self.k[a], self.s[a], self.p[a], self.d[a], m)
+                for a, (L, m) in enumerate(zip(spec.global_shape[2:], out.global_shape[2:]))):
+            halo = self.halo_padded
+        hp = halo.plan(spec) if self.P_x.active else None
         pads = tuple(lo for lo, _ in hp.local.pads[2:]) if hp is not None else (0,) * n
         empty = self.P_x.active and 0 in out.local_shape
-        return _PoolPlan(out, hp, pads, empty, {})
+        return _PoolPlan(out, halo, hp, pads, empty, {})
 
     def run(self, x: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
-        xh = self.halo.apply(x, plan.halo)
+        xh = plan.halo_op.apply(x, plan.halo)
         if plan.empty_out:  # no output here: keep the graph, skip the op
             return xh.new_zeros(plan.out.local_shape) + xh.sum() * 0
         return self._pool(xh, plan)
