@@ -11,7 +11,7 @@ adjoints). ``reduction="none"`` returns the element-wise loss distributed like t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +80,12 @@ class DistributedLoss(DistributedModule):
         if not spec.standard:
             raise raised_everywhere(ShapeError(f"{self.name}: the input must be split the "
                                                f"standard way, got {spec.describe()}"))
+        if not self.classwise:  # tensor options broadcast to the input, as torch wants
+            for name, v in self.options.items():
+                if isinstance(v, torch.Tensor) and v.dim() and not _broadcasts(v.shape, g):
+                    raise raised_everywhere(ShapeError(
+                        f"{self.name}: option {name} of shape {list(v.shape)} does not "
+                        f"broadcast to the input's global shape {list(g)}"))
         k = self.P_x.dim
         tot = TensorSpec(self.P_x, (2,), spec.dtype, spec.device_type, (PARTIAL,) * k)
         count = 1
@@ -153,6 +159,13 @@ class DistributedLoss(DistributedModule):
             else:
                 sl.append(slice(None))
         return v[tuple(sl)]
+
+
+def _broadcasts(shape: Sequence[int], to: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``to`` without growing it."""
+    if len(shape) > len(to):
+        return False
+    return all(a in (1, b) for a, b in zip(reversed(tuple(shape)), reversed(tuple(to))))
 
 
 def _named(loss: str, doc: str) -> type:
