@@ -187,10 +187,10 @@ class _ChannelConvNd(ZeroParameters, DistributedModule):
             raise raised_everywhere(ShapeError(
                 f"{name}: the input's spatial extents {g[2:]} give an output of extents {m}: "
                 f"the kernel is larger than the (padded) input"))
-        if not self.transposed and self.padding_mode != "zeros" and isinstance(
-                self.padding, tuple):
-            lim = 0 if self.padding_mode == "reflect" else 1
-            if any(p > li - 1 + lim for p, li in zip(self.padding, g[2:])):
+        if not self.transposed and self.padding_mode in ("reflect", "circular"):
+            lim = 0 if self.padding_mode == "reflect" else 1  # torch's F.pad rules
+            sides = list(zip(self._pad[::2], self._pad[1::2]))[::-1]  # per spatial dim
+            if any(max(pair) > li - 1 + lim for pair, li in zip(sides, g[2:])):
                 raise raised_everywhere(ShapeError(
                     f"{name}: padding {self.padding} with padding_mode="
                     f"{self.padding_mode!r} needs larger spatial extents than {g[2:]}"))
