@@ -15,7 +15,16 @@ pool. The outcome must be one of:
   message): allowed, recorded and printed (``-s``) so that the messages can be judged;
 
 never an error on some ranks only (or different errors), a hang (a per-run timeout and a
-short communication timeout), a crash or a wrong result. A failing chunk lists each failing
+short communication timeout), a crash or a wrong result.
+
+Layers: the convolutions (spatial and general P_w forms) and transposed ones (1-3d), the
+channel-partitioned convolutions (AllGather / ReduceScatter, plain and transposed, 1-3d),
+pooling, upsampling, batch and layer norms, the linear, sharded-linear and expert layers
+(reference: one ``torch.nn.Linear`` per expert, built in expert order), embeddings,
+DistributedTranspose (reference: the identity on the global tensor) and the losses
+(reference: the ``torch.nn`` loss on the global input and target; a reduced loss must be a
+0-dim tensor on every rank, torch's value on the root of P_x and 0 elsewhere, and every
+rank calls backward with the same output gradient). A failing chunk lists each failing
 configuration (a JSON dict: ``tests.test_fuzz._run_config(cfg)`` reproduces it, with the
 pools of this module; ``make_config(seed, index)`` regenerates it).
 
@@ -266,8 +275,12 @@ def _gen_chconv(rng, n, cfg):
     t = rng.random() < 0.4
     nd = rng.choice([1, 1, 2, 2, 3])
     hi = 3 if nd == 3 else 5
-    cfg.update(form=rng.choice(["ag", "rs"]), transposed=t, nd=nd, cin=rng.randint(1, 5),
-               cout=rng.randint(1, 5), k=_per_dim(rng, nd, 1, 3 if nd == 3 else 4),
+    # (P_d, P_c, 1..); now and then a spatial dim split too (refused)
+    split = [0, 1] + ([rng.randint(2, nd + 1)] if rng.random() < 0.08 else [])
+    xshape, xranks = _partition(rng, n, nd + 2, split)
+    lo = xshape[1] if rng.random() < 0.85 else 1  # mostly channels enough for P_c
+    cfg.update(form=rng.choice(["ag", "rs"]), transposed=t, nd=nd, cin=rng.randint(lo, 5),
+               cout=rng.randint(lo, 5), k=_per_dim(rng, nd, 1, 3 if nd == 3 else 4),
                s=_per_dim(rng, nd, 1, 3), d=_per_dim(rng, nd, 1, 2 if rng.random() < 0.5 else 1),
                bias=rng.random() < 0.7, groups=1, mode="zeros")
     if rng.random() < 0.05:  # torch groups it, gpudist refuses
@@ -287,9 +300,6 @@ def _gen_chconv(rng, n, cfg):
     gshape = [rng.randint(1, 4), cfg["cin"]] + [_size(rng, 1, hi * 3) for _ in range(nd)]
     if rng.random() < 0.05:
         gshape[1] = cfg["cin"] + 1  # a wrong channel count: both refuse
-    # (P_d, P_c, 1..); now and then a spatial dim split too (refused)
-    split = [0, 1] + ([rng.randint(2, nd + 1)] if rng.random() < 0.08 else [])
-    xshape, xranks = _partition(rng, n, nd + 2, split)
     cfg.update(x_shape=xshape, x_ranks=xranks, gshapes=[gshape],
                vary=[0] + list(range(2, nd + 2)))
 
@@ -299,16 +309,19 @@ def _gen_experts(rng, n, cfg):
     whole; ReduceScatter form: ``dim`` whole."""
     form = rng.choice(["eag", "ers", "eagz", "ersz"])
     nd = rng.choice([3, 3, 4])
-    E, fin, fout = rng.randint(1, 4), _size(rng, 1, 7), _size(rng, 1, 7)
     dim = rng.choice([-2, -2] + list(range(1, nd - 1)))
     if rng.random() < 0.04:
         dim = rng.choice([0, nd - 1])  # the experts or the features: refused
-    gshape = [E] + [_size(rng, 1, 5) for _ in range(nd - 2)] + [fin]
-    if rng.random() < 0.05:
-        gshape[rng.choice([0, nd - 1])] += 1  # wrong experts or features: both refuse
     whole = nd - 1 if form in ("eag", "eagz") else dim % nd
     split = [d for d in range(nd) if d != whole] if rng.random() < 0.9 else range(nd)
     xshape, xranks = _partition(rng, n, nd, split)
+    E, fin, fout = rng.randint(1, 4), _size(rng, 1, 7), _size(rng, 1, 7)
+    if rng.random() < 0.85:  # mostly enough experts and features for the split
+        E, fin = max(E, xshape[0]), max(fin, xshape[-1])
+        fout = max(fout, xshape[dim % nd])
+    gshape = [E] + [_size(rng, 1, 5) for _ in range(nd - 2)] + [fin]
+    if rng.random() < 0.05:
+        gshape[rng.choice([0, nd - 1])] += 1  # wrong experts or features: both refuse
     cfg.update(form=form, E=E, fin=fin, fout=fout, dim=dim, bias=rng.random() < 0.7,
                x_shape=xshape, x_ranks=xranks, gshapes=[gshape], vary=list(range(1, nd - 1)))
 
@@ -446,10 +459,80 @@ class _ExpertsRef(torch.nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        E, _, fi = self.weight.shape
+        if x.dim() < 2 or x.shape[0] != E or x.shape[-1] != fi:  # einsum would broadcast
+            raise ValueError(f"input {tuple(x.shape)} for {E} experts of {fi} features")
         y = torch.einsum("e...f,eof->e...o", x, self.weight)
         if self.bias is not None:
             y = y + self.bias.reshape((self.bias.shape[0],) + (1,) * (x.dim() - 2) + (-1,))
         return y
+
+
+class _MaxPoolRef(torch.nn.Module):
+    """torch's max pool, except that its gradient comes from the input explicitly padded
+    with -inf: where a window reads padding only, torch's own max pool reports an index
+    outside the input and its backward writes there (a torch bug; gpudist sends such a
+    window's gradient nowhere). Values and refusals are torch's."""
+
+    def __init__(self, nd: int, k, s, p, d, ceil: bool) -> None:
+        super().__init__()
+        self.nd, self.args = nd, (k, s, p, d)
+        self.pool = getattr(torch.nn, f"MaxPool{nd}d")(k, s, p, d, ceil_mode=ceil)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pool(x)  # torch's values, shape and errors
+        nd = self.nd
+        k, s, p, d = (v if isinstance(v, tuple) else (v,) * nd for v in
+                      (self.args[0], self.args[1] or self.args[0], self.args[2], self.args[3]))
+        pads = []
+        for a in reversed(range(nd)):
+            L, m = x.shape[2 + a], y.shape[2 + a]
+            extra = max(0, (m - 1) * s[a] + d[a] * (k[a] - 1) + 1 - (L + 2 * p[a]))
+            pads += [p[a], p[a] + extra]
+        xp = torch.nn.functional.pad(x, pads, value=-math.inf)
+        y2 = getattr(torch.nn.functional, f"max_pool{nd}d")(xp, k, s, 0, d)
+        return y2 if y2.shape == y.shape else y
+
+
+class _NearestAdjoint(torch.autograd.Function):
+    """torch's nearest interpolation forward; backward: the adjoint of that forward (a sum
+    of the output gradients into the source entries). torch's own backward is not the
+    adjoint of its forward for some scales (e.g. 3-D nearest, scale 4/3 with equal sizes:
+    the forward reads entry 0 twice, the backward hands back the identity)."""
+
+    @staticmethod
+    def forward(ctx, x, up):  # type: ignore[override]
+        y = up(x)
+        nd = x.dim() - 2
+        flat = torch.zeros(y.shape[2:], dtype=torch.int64)
+        stride = 1
+        for a in reversed(range(nd)):  # source index along dim a of every output position
+            shape = [1, 1] + [1] * nd
+            shape[2 + a] = x.shape[2 + a]
+            probe = torch.arange(x.shape[2 + a], dtype=torch.float64).reshape(shape)
+            probe = probe.expand((1, 1) + tuple(x.shape[2:]))
+            flat += up(probe)[0, 0].round().to(torch.int64) * stride
+            stride *= x.shape[2 + a]
+        ctx.flat, ctx.shape = flat.reshape(-1), x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        n = math.prod(ctx.shape[:2])
+        dx = dy.new_zeros(n, math.prod(ctx.shape[2:]))
+        dx.index_add_(1, ctx.flat, dy.reshape(n, -1))
+        return dx.reshape(ctx.shape), None
+
+
+class _NearestRef(torch.nn.Module):
+    """torch.nn.Upsample in a nearest mode with the adjoint of its forward as backward."""
+
+    def __init__(self, up: torch.nn.Upsample) -> None:
+        super().__init__()
+        self.up = up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NearestAdjoint.apply(x, self.up)
 
 
 class _LossRef(torch.nn.Module):
@@ -517,14 +600,15 @@ def torch_layer(cfg: dict) -> torch.nn.Module:
         return cls(cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
                    _t(cfg["q"]), cfg["groups"], cfg["bias"], _t(cfg["d"]), dtype=F64)
     if kind == "maxpool":
-        return getattr(torch.nn, f"MaxPool{cfg['nd']}d")(
-            _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]), _t(cfg["d"]), ceil_mode=cfg["ceil"])
+        return _MaxPoolRef(cfg["nd"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]), _t(cfg["d"]),
+                           cfg["ceil"])
     if kind == "avgpool":
         return getattr(torch.nn, f"AvgPool{cfg['nd']}d")(
             _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]), cfg["ceil"], cfg["cip"])
     if kind == "upsample":
-        return torch.nn.Upsample(_t(cfg["size"]), _t(cfg["scale"]), cfg["mode"],
-                                 cfg["align"], cfg["recompute"])
+        up = torch.nn.Upsample(_t(cfg["size"]), _t(cfg["scale"]), cfg["mode"], cfg["align"],
+                               cfg["recompute"])
+        return _NearestRef(up) if cfg["mode"] in ("nearest", "nearest-exact") else up
     if kind == "bn":
         nd = len(cfg["gshapes"][0])
         cls = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
@@ -760,7 +844,10 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
                 x.requires_grad_(True)
             xin = DistTensor.from_local(x, P_x, gshape) if cfg["dist"] else x
             if cfg["kind"] == "loss":
-                y = layer(xin, block_of(_target(cfg, call), P_t))
+                T = _target(cfg, call)
+                t = block_of(T, P_t)
+                y = layer(xin, DistTensor.from_local(t, P_t, tuple(T.shape))
+                          if cfg["dist"] else t)
             else:
                 y = layer(xin)
             ysh = yshapes[call] if call < len(yshapes) else None

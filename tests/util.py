@@ -1,5 +1,7 @@
 """Helpers shared by multi-rank tests (run inside rank pools)."""
 
+import math
+
 import torch
 
 from gpudist import Decomposition, Partition
@@ -31,7 +33,13 @@ def gather(t: torch.Tensor, P: Partition, gshape, root: Partition | None = None)
 
 
 def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max()) if a.numel() else 0.0
+    """Largest |a - b|: equal infinities (and NaN against NaN) count as 0, NaN against a
+    number as inf (a plain difference would give NaN, and ``NaN > tol`` is false)."""
+    if not a.numel():
+        return 0.0
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = torch.where(same, torch.zeros((), dtype=a.dtype), (a - b).abs())
+    return float(torch.nan_to_num(d, nan=math.inf).max())
 
 
 def global_checkpoint_roundtrip(build, path: str) -> tuple[dict, dict, dict, dict]:

@@ -104,6 +104,10 @@ class DistributedLoss(DistributedModule):
             t = target.local if isinstance(target, DistTensor) else target
             spec = x.spec if dist_in else self.spec_of(local)
             plan = self.plan(spec)
+            if (self.classwise and self.options.get("ignore_index", -100) >= 0
+                    and t is not None and t.is_floating_point()):  # as torch, on every rank
+                raise raised_everywhere(ValueError(
+                    f"{self.name}: ignore_index is not supported for floating point target"))
             local = spec.adopt(local)
             spec.check_local(local, self.name)
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
