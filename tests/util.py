@@ -38,7 +38,8 @@ def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     if not a.numel():
         return 0.0
     same = (a == b) | (a.isnan() & b.isnan())
-    d = torch.where(same, torch.zeros((), dtype=a.dtype), (a - b).abs())
+    d = (a - b).abs()  # real, also for complex tensors
+    d = torch.where(same, torch.zeros((), dtype=d.dtype), d)
     return float(torch.nan_to_num(d, nan=math.inf).max())
 
 
