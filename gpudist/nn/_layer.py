@@ -152,7 +152,7 @@ class ShardedParameters:
         """Keep this rank's blocks of a sequential layer's state dict (every rank passes
         the same one)."""
         with torch.no_grad():
-            for k, (P, shape) in self.homes.items():
+            for k, (_, shape) in self.homes.items():
                 if k not in sd:
                     continue
                 t = sd[k]
@@ -161,7 +161,11 @@ class ShardedParameters:
                         f"{type(self).__name__}.load_global_state_dict: {k} has shape "
                         f"{tuple(t.shape)}, the layer's is {tuple(shape)}"))
                 p = getattr(self, k)
-                p.data = block(t, P).to(p)
+                p.data = self._cut(k, t).to(p)
+
+    def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the global parameter ``t``."""
+        return block(t, self.homes[name][0])
 
     def _gathered(self, pick) -> dict[str, torch.Tensor]:
         out = {}

@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from ..decomposition import Decomposition, block_range
-from ..errors import ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllGather, Plan, Repartition
 from ..spec import DistTensor, TensorSpec
@@ -129,20 +128,8 @@ class ZeroParameters(ShardedParameters):
         # for the layout stamp of per-rank checkpoints: blocks as the fibres' heads see them
         self.homes = {k: (z.P_head, z.shape) for k, z in self.shards.items()}
 
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Keep this worker's chunks of a sequential layer's state dict (every rank passes
-        the same one; no communication)."""
-        with torch.no_grad():
-            for k, z in self.shards.items():
-                if k not in sd:
-                    continue
-                t = sd[k]
-                if tuple(t.shape) != z.shape:
-                    raise raised_everywhere(ShapeError(
-                        f"{type(self).__name__}.load_global_state_dict: {k} has shape "
-                        f"{tuple(t.shape)}, the layer's is {z.shape}"))
-                p = getattr(self, k)
-                p.data = z.shard(t).to(p)
+    def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return self.shards[name].shard(t)  # this worker's chunk
 
     def _gathered(self, pick) -> dict[str, torch.Tensor]:
         out = {}
@@ -151,15 +138,6 @@ class ZeroParameters(ShardedParameters):
             if v is not None:
                 out[k] = v
         return out
-
-    def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the sequential layer's state dict on the root worker, ``{}``
-        elsewhere."""
-        return self._gathered(lambda p: p.detach())
-
-    def global_grads(self) -> dict[str, torch.Tensor]:
-        """Collective: the full gradients on the root worker, ``{}`` elsewhere."""
-        return self._gathered(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
     def layout(self) -> dict:
         out = super().layout()
