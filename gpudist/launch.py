@@ -57,19 +57,16 @@ def mpiexec() -> str | None:
 
 
 # --------------------------------------------------------------------------- rank side
-def _post_unless_everywhere(e: BaseException) -> None:
-    """A task that raised what its peers may not raise (e.g. a local torch error in
-    backward, outside any gpudist call) ends the world, as the excepthook does for an
-    uncaught exception in a real program: the peers stop waiting at once."""
+def _failure_scope():
+    """A task runs in the control plane's failure scope, as a gpudist call does: what it
+    raises on some ranks only (e.g. a local torch error in backward, outside any gpudist
+    call) ends the world at once, as the excepthook does for an uncaught exception."""
+    from contextlib import nullcontext
+
     from gpudist import runtime
-    from gpudist.errors import is_everywhere
 
     w = runtime._WORLD
-    if w is not None and w.control.aborted is None and not is_everywhere(e):
-        try:
-            w.control.abort(e, "a task of the rank pool")
-        except Exception:  # noqa: BLE001 - best effort: the result is reported anyway
-            pass
+    return w.control.scope("a task of the rank pool") if w is not None else nullcontext()
 
 
 def serve(conn: Connection) -> None:
@@ -86,10 +83,10 @@ def serve(conn: Connection) -> None:
             break
         fn, args, kwargs = msg
         try:
-            out = ("ok", fn(*args, **kwargs))
+            with _failure_scope():
+                out = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # report everything, keep serving
             out = ("err", RankError(type(e).__name__, str(e), traceback.format_exc()))
-            _post_unless_everywhere(e)
         w = gpudist.runtime._WORLD
         alive = w is not None and w.control.aborted is None
         try:

@@ -142,13 +142,10 @@ class Primitive(torch.nn.Module):
         fp = stable_hash((self.config, spec.fingerprint))
         return self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
 
-    def spec_of(self, x: torch.Tensor) -> TensorSpec:
+    def derive(self, x: torch.Tensor) -> TensorSpec:
         """The spec of a plain local block: a metadata exchange over the participants at
         every call (a rank cannot tell from its own block whether a peer's changed); a
         :class:`~gpudist.spec.DistTensor` input needs none."""
-        return self.derive(x)
-
-    def derive(self, x: torch.Tensor) -> TensorSpec:
         return derive_spec(self.in_partition, x, self.name, self.group)
 
     # -- calling -----------------------------------------------------------------------------
@@ -162,7 +159,7 @@ class Primitive(torch.nn.Module):
                     f"{self.name}: an integer tensor ({local.dtype}) cannot require grad"))
             if not self.member and not dist_in:
                 return local
-            spec = x.spec if dist_in else self.spec_of(local)
+            spec = x.spec if dist_in else self.derive(local)
             local = spec.adopt(local)
             ok = spec.matches(local)
             plan = self.plan(spec, ok)
