@@ -163,8 +163,8 @@ def _roundtrip(path):
             out[kind] = _classes(kind, 2)[0](P, 5, 3, (2, 3), dtype=torch.float64)
         return out
 
-    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
-    out = {"same_local": loaded.pop("__same_local__")}
+    a, b, loaded, sd2, same = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": same}
     # per-rank state dicts carry the layout: they load back into the same rank's layer
     b["ag"].load_state_dict(a["ag"].state_dict())
     if world.rank == 0:

@@ -119,6 +119,21 @@ def _vary(rng: random.Random, gshape, dims) -> list[int]:
     return g
 
 
+def _gen_padding(rng, cfg, nd, transposed, pmax, same, valid):
+    """A conv's padding (and a transposed conv's output_padding, sometimes invalid):
+    "same" / "valid" with probabilities ``same`` / ``valid - same``, else 0..pmax."""
+    if transposed:
+        cfg["p"] = _per_dim(rng, nd, 0, pmax)
+        s, d = _dims(cfg["s"], nd), _dims(cfg["d"], nd)
+        q = [rng.randint(0, max(si, di) - 1) for si, di in zip(s, d)]
+        if rng.random() < 0.1:
+            q[0] = max(s[0], d[0])  # rejected by both
+        cfg["q"] = q
+    else:
+        r = rng.random()
+        cfg["p"] = "same" if r < same else "valid" if r < valid else _per_dim(rng, nd, 0, pmax)
+
+
 def _gen_conv(rng, n, cfg, transpose=False):
     nd = rng.choice([1, 1, 1, 2, 2, 2, 3] if transpose else [1, 1, 2, 2, 3])
     hi = 3 if nd == 3 else 5
@@ -131,16 +146,7 @@ def _gen_conv(rng, n, cfg, transpose=False):
         if rng.random() < 0.8:  # mostly a valid grouping
             cfg["cin"], cfg["cout"] = g * rng.randint(1, 2), g * rng.randint(1, 2)
         cfg["groups"] = g
-    if transpose:
-        cfg["p"] = _per_dim(rng, nd, 0, 3)
-        s, d = _dims(cfg["s"], nd), _dims(cfg["d"], nd)
-        q = [rng.randint(0, max(si, di) - 1) for si, di in zip(s, d)]
-        if rng.random() < 0.1:
-            q[0] = max(s[0], d[0])  # rejected by both
-        cfg["q"] = q
-    else:
-        r = rng.random()
-        cfg["p"] = "same" if r < 0.2 else "valid" if r < 0.3 else _per_dim(rng, nd, 0, 3)
+    _gen_padding(rng, cfg, nd, transpose, 3, 0.2, 0.3)
     # batch + spatial sizes; halos wider than blocks happen with tiny blocks
     gshape = [rng.randint(1, 3), cfg["cin"]] + [_size(rng, 1, hi * 3) for _ in range(nd)]
     if rng.random() < 0.1:
@@ -285,18 +291,9 @@ def _gen_chconv(rng, n, cfg):
                bias=rng.random() < 0.7, groups=1, mode="zeros")
     if rng.random() < 0.05:  # torch groups it, gpudist refuses
         cfg["cin"], cfg["cout"], cfg["groups"] = 2 * rng.randint(1, 2), 2, 2
-    if t:
-        cfg["p"] = _per_dim(rng, nd, 0, 2)
-        s, d = _dims(cfg["s"], nd), _dims(cfg["d"], nd)
-        q = [rng.randint(0, max(si, di) - 1) for si, di in zip(s, d)]
-        if rng.random() < 0.1:
-            q[0] = max(s[0], d[0])  # rejected by both
-        cfg["q"] = q
-    else:
-        r = rng.random()
-        cfg["p"] = "same" if r < 0.15 else "valid" if r < 0.25 else _per_dim(rng, nd, 0, 2)
-        if rng.random() < 0.2:
-            cfg["mode"] = rng.choice(["reflect", "replicate", "circular"])
+    _gen_padding(rng, cfg, nd, t, 2, 0.15, 0.25)
+    if not t and rng.random() < 0.2:
+        cfg["mode"] = rng.choice(["reflect", "replicate", "circular"])
     gshape = [rng.randint(1, 4), cfg["cin"]] + [_size(rng, 1, hi * 3) for _ in range(nd)]
     if rng.random() < 0.05:
         gshape[1] = cfg["cin"] + 1  # a wrong channel count: both refuse

@@ -309,8 +309,8 @@ def _roundtrip(path):
                 "emb": DistributedEmbedding(Pe, 9, 4, padding_idx=2, dtype=torch.float64),
                 "embz": DistributedEmbeddingZero(Pe, 9, 4, dtype=torch.float64)}
 
-    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
-    out = {"same_local": loaded.pop("__same_local__")}
+    a, b, loaded, sd2, same = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": same}
     if world.rank == 0:
         seq = {"ln": torch.nn.LayerNorm((3, 5), dtype=torch.float64),
                "lnz": torch.nn.LayerNorm(5, dtype=torch.float64),

@@ -8,7 +8,7 @@ import torch
 import gpudist.nn as gnn
 from gpudist import Partition
 from gpudist.primitives import zero_volume
-from tests.util import block_of, gather, global_tensor
+from tests.util import block_of, gather, global_checkpoint_roundtrip, global_tensor
 
 TOL = 1e-10
 
@@ -473,18 +473,9 @@ def _checkpoint_roundtrip(path):
                 "linear": gnn.DistributedLinear(Pl_x, Pl_y, Pl_w, 7, 4, dtype=torch.float64),
                 "bn": gnn.DistributedBatchNorm(Pb, 3, dtype=torch.float64)}
 
-    a = build(1)
-    a["bn"](block_of(global_tensor((4, 3, 5, 6), seed=9), Pb))  # running stats move
-    sd = {name: layer.global_state_dict() for name, layer in a.items()}
-    if world.rank == 0:
-        torch.save(sd, path)
-    world.transport.barrier()
-    loaded = torch.load(path)
-    b = build(2)
-    for name, layer in b.items():
-        layer.load_global_state_dict(loaded[name])
-    sd2 = {name: layer.global_state_dict() for name, layer in b.items()}
-    out = {}
+    a, b, loaded, sd2, same = global_checkpoint_roundtrip(
+        build, path, lambda a: a["bn"](block_of(global_tensor((4, 3, 5, 6), seed=9), Pb)))
+    out = {"same_local": same}  # running stats moved too
     if world.rank == 0:
         seq = {"conv": torch.nn.Conv2d(5, 3, 3, padding=1, dtype=torch.float64),
                "linear": torch.nn.Linear(7, 4, dtype=torch.float64),
@@ -492,7 +483,7 @@ def _checkpoint_roundtrip(path):
         for name, m in seq.items():
             m.load_state_dict(loaded[name])  # strict: every key present, shapes right
             out[name] = all(torch.equal(v, sd2[name][k]) for k, v in m.state_dict().items())
-        out["keys"] = sorted(f"{n}.{k}" for n in sd for k in sd[n])
+        out["keys"] = sorted(f"{n}.{k}" for n in loaded for k in loaded[n])
     x = block_of(global_tensor((2, 5, 6, 6), seed=3), P_x)
     ya, yb = a["conv"](x), b["conv"](x)
     out["same_conv_output"] = bool(torch.equal(ya, yb))
@@ -501,7 +492,7 @@ def _checkpoint_roundtrip(path):
 
 def test_checkpoint_roundtrip(cluster, tmp_path):
     res = cluster.run(4, _checkpoint_roundtrip, str(tmp_path / "ckpt.pt"))
-    assert all(r["same_conv_output"] for r in res)
+    assert all(r["same_conv_output"] and r["same_local"] for r in res)
     root = res[0]
     assert root["conv"] and root["linear"] and root["bn"], root
     assert "bn.num_batches_tracked" in root["keys"] and "conv.bias" in root["keys"]

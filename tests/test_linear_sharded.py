@@ -241,8 +241,8 @@ def _roundtrip(path):
                 "eag": _make("eag", Pa, 3, 4, True, -2, E=3),
                 "ersz": _make("ersz", Pr, 3, 4, True, -2, E=2)}
 
-    a, b, loaded, sd2 = global_checkpoint_roundtrip(build, path)
-    out = {"same_local": loaded.pop("__same_local__")}
+    a, b, loaded, sd2, same = global_checkpoint_roundtrip(build, path)
+    out = {"same_local": same}
     for k, layer in b.items():  # per-rank state dicts (with their layout) load back
         layer.load_state_dict(a[k].state_dict())
     out["per_rank"] = all(torch.equal(p, q) for k in a for p, q in

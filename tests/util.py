@@ -43,12 +43,11 @@ def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nan_to_num(d, nan=math.inf).max())
 
 
-def global_checkpoint_roundtrip(build, path: str) -> tuple[dict, dict, dict, dict]:
-    """Layers from ``build(1)`` with perturbed parameters -> global state dicts ->
-    ``torch.save`` (rank 0) -> fresh layers ``build(2)`` load them. Returns (first layers,
-    second layers, the loaded dicts, the second layers' global state dicts) and puts
-    ``same_local`` (every rank's parameters equal after the round trip) in the loaded
-    dict under the key ``"__same_local__"``."""
+def global_checkpoint_roundtrip(build, path: str, prepare=None):
+    """Layers from ``build(1)`` with perturbed parameters (then ``prepare(layers)``) ->
+    global state dicts -> ``torch.save`` (rank 0) -> fresh layers ``build(2)`` load them.
+    Returns (first layers, second layers, the loaded dicts, the second layers' global
+    state dicts, whether every parameter of this rank came back equal)."""
     from gpudist.runtime import require_world
 
     world = require_world(None)
@@ -57,6 +56,8 @@ def global_checkpoint_roundtrip(build, path: str) -> tuple[dict, dict, dict, dic
         for layer in a.values():
             for p in layer.parameters():
                 p.add_(torch.rand(p.shape, dtype=p.dtype))  # not the initial values
+    if prepare is not None:  # e.g. a forward that moves running statistics
+        prepare(a)
     sd = {k: layer.global_state_dict() for k, layer in a.items()}
     if world.rank == 0:
         torch.save(sd, path)
@@ -66,6 +67,6 @@ def global_checkpoint_roundtrip(build, path: str) -> tuple[dict, dict, dict, dic
     for k, layer in b.items():
         layer.load_global_state_dict(loaded[k])
     sd2 = {k: layer.global_state_dict() for k, layer in b.items()}
-    loaded["__same_local__"] = all(torch.equal(p, q) for k in a for p, q in
-                                   zip(a[k].parameters(), b[k].parameters()))
-    return a, b, loaded, sd2
+    same = all(torch.equal(p, q) for k in a for p, q in
+               zip(a[k].parameters(), b[k].parameters()))
+    return a, b, loaded, sd2, same
