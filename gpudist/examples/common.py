@@ -15,6 +15,8 @@ import torch
 from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
 from gpudist.primitives import AllSumReduce
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
 
 class GradSum:
     """The data-parallel gradient sum: every parameter's local gradient (and the local
@@ -128,3 +130,14 @@ def run_example(task: Callable, a, make_config: Callable, check: Callable[[], No
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_run_args(p, name: str) -> None:
+    """The options every example's CLI has: backend, seed, dtype, output folder,
+    communication timeout, progress bar."""
+    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    p.add_argument("--out", default=f"results/{name}", help="directory for plot and JSON")
+    p.add_argument("--timeout", type=float, default=120.0, help="communication timeout (s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")

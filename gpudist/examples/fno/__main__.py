@@ -12,8 +12,7 @@ import argparse
 import sys
 import time
 
-from ..common import UsageError, run_example
-from .network import DTYPES
+from ..common import UsageError, add_run_args, run_example
 from .train import Config, task
 
 
@@ -24,7 +23,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(gpudist: X split over the ranks, FFTs with a distributed transpose), "
                     "from the same initial weights, and compare the losses step by step.")
     p.add_argument("--ranks", type=int, default=4, help="workers to start (default 4)")
-    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
     p.add_argument("--steps", type=int, default=300, help="Adam steps (default 300)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--grid", type=int, default=32, help="grid points per side (default 32)")
@@ -34,11 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-train", type=int, default=256)
     p.add_argument("--n-test", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    p.add_argument("--out", default="results/fno", help="directory for plot and JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="communication timeout (s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(p, "fno")
     return p.parse_args(argv)
 
 

@@ -46,7 +46,6 @@ from gpudist.nn._layer import DistributedModule
 from gpudist.nn._params import connect
 from gpudist.nn.transpose import DistributedTranspose, transposed_partition
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 

@@ -26,8 +26,8 @@ from gpudist import DistTensor, Partition
 from gpudist.decomposition import block_range
 from gpudist.primitives import Repartition
 
-from ..common import GradSum, loss_panels, save_results, train_loop
-from .network import DTYPES, DistributedFNO2d, FNO2d, make_distributed, make_sequential
+from ..common import DTYPES, GradSum, loss_panels, save_results, train_loop
+from .network import DistributedFNO2d, FNO2d, make_distributed, make_sequential
 
 
 @dataclass

@@ -5,13 +5,12 @@
 * ``python -m gpudist.examples.lenet5`` -- the command line (:mod:`.__main__`).
 """
 
+from ..common import DTYPES, UsageError
 from .network import (
-    DTYPES,
     LAYOUTS,
     PARAM_LAYERS,
     DistributedLeNet5,
     LeNet5,
-    UsageError,
     layout_for,
     make_distributed,
     make_sequential,

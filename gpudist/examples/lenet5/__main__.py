@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from .. import mnist
-from .network import DTYPES, UsageError, layout_for, supported_ranks
+from ..common import DTYPES, UsageError
+from .network import layout_for, supported_ranks
 from .train import Config, run_rank
 
 

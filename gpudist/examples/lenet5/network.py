@@ -33,7 +33,6 @@ LAYOUTS: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {
     16: ((4, 4), (4, 4)),
 }
 PARAM_LAYERS = ("c1", "c3", "c5", "f6", "out")
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def supported_ranks() -> str:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import mnist
-from ..common import progress_bar
-from .network import DTYPES, DistributedLeNet5, layout_for, make_distributed, make_sequential
+from ..common import DTYPES, progress_bar
+from .network import DistributedLeNet5, layout_for, make_distributed, make_sequential
 
 
 def sequential_step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,

@@ -13,9 +13,9 @@ import argparse
 import sys
 import time
 
-from ..common import UsageError, run_example
+from ..common import UsageError, add_run_args, run_example
 from .network import check_layout
-from .train import DTYPES, Config, task
+from .train import Config, task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,7 +26,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "initial weights, and compare the losses step by step.")
     p.add_argument("--ranks", type=int, default=4, help="workers to start: 1, 2 or 4 "
                    "(any count that divides --heads; default 4)")
-    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo")
     p.add_argument("--steps", type=int, default=300, help="Adam steps (default 300)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--context", type=int, default=32, help="characters per sequence")
@@ -34,11 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
-    p.add_argument("--out", default="results/transformer", help="directory for plot, JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="communication timeout (s)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_run_args(p, "transformer")
     return p.parse_args(argv)
 
 

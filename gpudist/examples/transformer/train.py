@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gpudist.decomposition import block_range
 
-from ..common import GradSum, loss_panels, save_results, train_loop
+from ..common import DTYPES, GradSum, loss_panels, save_results, train_loop
 from .network import (
     CORPUS,
     CharTransformer,
@@ -26,8 +26,6 @@ from .network import (
     make_sequential,
     vocabulary,
 )
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
