@@ -52,8 +52,6 @@ class DistributedModule(torch.nn.Module):
         self.world = P_in.world
         ranks = sorted({int(r) for r in participants})
         self.participants = tuple(ranks)
-        if len(ranks) > 1:  # world-collective, made in the same order on every rank
-            self.world.transport.group(ranks)
         n = self.world.size  # every rank calls every layer: plain blocks are described here
         self.world_group = self.world.transport.group(range(n)) if n > 1 else None
         self._plans = LRU(self.world.cache_size)
