@@ -26,8 +26,7 @@ import json
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import CommTimeout, MismatchError, RemoteError, WorldAborted, is_everywhere
@@ -48,6 +47,50 @@ class Op:
     what: str
     fingerprint: int
     needs_all: bool = True
+
+
+Label = str | Callable[[], str]
+
+
+def label_text(what: Label) -> str:
+    """The text of a label given as a string or as a function making it."""
+    return what if isinstance(what, str) else what()
+
+
+class _Scope:
+    """``with control.scope(where)``: an error not every rank raises is posted (a class,
+    not a generator: it runs on every call of every operator)."""
+
+    __slots__ = ("control", "where")
+
+    def __init__(self, control: Control, where: str) -> None:
+        self.control, self.where = control, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if e is not None and not is_everywhere(e) and not isinstance(
+                e, (KeyboardInterrupt, GeneratorExit)):
+            self.control.abort(e, self.where)
+        return False
+
+
+class _Numbered:
+    """``with control.op(...) as op``: ``op`` is the current operator while inside."""
+
+    __slots__ = ("control", "op", "prev")
+
+    def __init__(self, control: Control, op: Op) -> None:
+        self.control, self.op, self.prev = control, op, None
+
+    def __enter__(self) -> Op:
+        self.prev, self.control._op = self.control._op, self.op
+        return self.op
+
+    def __exit__(self, kind, e, tb) -> bool:
+        self.control._op = self.prev
+        return False
 
 
 class Control:
@@ -105,45 +148,36 @@ class Control:
         self.aborted = err
         raise err
 
-    @contextmanager
-    def scope(self, where: str) -> Iterator[None]:
+    def scope(self, where: str) -> _Scope:
         """Errors raised inside that not every rank raises are posted to the world."""
         self.ensure_alive()
-        try:
-            yield
-        except BaseException as e:
-            if not is_everywhere(e) and not isinstance(e, (KeyboardInterrupt, GeneratorExit)):
-                self.abort(e, where)
-            raise
+        return _Scope(self, where)
 
     # -- operator numbering ---------------------------------------------------------------
-    @contextmanager
     def op(self, group: Sequence[int], what: str, fingerprint: int = 0,
-           needs_all: bool = True) -> Iterator[Op]:
+           needs_all: bool = True) -> _Numbered:
         """Number one operator on ``group`` (every member calls it, in program order)."""
-        key = tuple(group)
+        key = group if type(group) is tuple else tuple(group)
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
-        prev, self._op = self._op, Op(key, seq, what, fingerprint, needs_all)
-        try:
-            yield self._op
-        finally:
-            self._op = prev
+        return _Numbered(self, Op(key, seq, what, fingerprint, needs_all))
 
     # -- the wait loop --------------------------------------------------------------------
-    def wait(self, done: Callable[[], bool], what: str, timeout: float | None = None,
+    def wait(self, done: Callable[[], bool], what: Label, timeout: float | None = None,
              block: Callable[[float], object] | None = None, spin: bool = False) -> None:
         """Return when ``done()``; meanwhile watch for aborts, mismatches and the timeout.
 
         ``block(s)`` blocks up to ``s`` seconds for progress (e.g. an Event); without it the
         loop sleeps with backoff, or only yields when ``spin`` (MPI needs its progress
-        engine driven by ``done()``).
+        engine driven by ``done()``). ``what`` (a string, or a function making it: only a
+        slow wait needs the text) names the wait in errors.
         """
         if self.aborted is not None:
             self.ensure_alive()
         if done():
             return
         self.waits += 1
+        what = label_text(what)
         total = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         next_abort, next_diag = t0 + ABORT_FIRST_CHECK_S, t0 + self.diag_after

@@ -89,6 +89,9 @@ class Primitive(torch.nn.Module):
         # the n-th primitive these ranks build: two identical layers are still told apart
         self.uid = world.next_uid(("primitive", self.participants))
         self.config = stable_hash((self.name, config, self.uid))
+        # made once: every call names itself to the control plane with these
+        self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
+        self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
@@ -175,13 +178,17 @@ class Primitive(torch.nn.Module):
             return z + local.sum() * 0 if local.requires_grad else z
         if plan.identity:
             return local
-        return _LinearOp.apply(self, plan, local)
+        if local.requires_grad and torch.is_grad_enabled():
+            return _LinearOp.apply(self, plan, local)
+        with self.world.control.op(self.participants, self._fwd_label, plan.fingerprint,
+                                   self.collective):  # no graph to record: F alone
+            return self.forward(local, plan)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F* on a gradient block, numbered and inside the failure scope (autograd's path)."""
         c = self.world.control
-        with c.scope(f"{self.name} adjoint"), c.op(self.participants, f"{self.label} adjoint",
-                                                   plan.fingerprint + 1, self.collective):
+        with c.scope(self._adj_scope), c.op(self.participants, self._adj_label,
+                                            plan.fingerprint + 1, self.collective):
             return self.adjoint(dy, plan)
 
     @property
@@ -199,7 +206,7 @@ class _LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor):  # type: ignore[override]
         ctx.op, ctx.plan = op, plan
-        with op.world.control.op(op.participants, f"{op.label} forward", plan.fingerprint,
+        with op.world.control.op(op.participants, op._fwd_label, plan.fingerprint,
                                  op.collective):
             return op.forward(x, plan)
 

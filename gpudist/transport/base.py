@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..control import Label, label_text
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -51,7 +53,7 @@ class Work:
 
     __slots__ = ("what", "_done", "_finish", "block", "spin")
 
-    def __init__(self, what: str, done: Callable[[], bool],
+    def __init__(self, what: Label, done: Callable[[], bool],
                  finish: Callable[[], None] | None = None,
                  block: Callable[[float], object] | None = None, spin: bool = False) -> None:
         self.what, self._done, self._finish, self.block, self.spin = (
@@ -212,28 +214,36 @@ class Transport(ABC):
         """Wait for every work item (one deadline), then finish them in order."""
         if not works:
             return
-        works = list(works)
+        if len(works) == 1:  # the common case, kept cheap: it runs on every operator
+            w = works[0]
+            done, block, spin = w.done, w.block, w.spin
+        else:
+            works = list(works)
 
-        def done() -> bool:
-            return all(w.done() for w in works)
+            def done() -> bool:
+                return all(w.done() for w in works)
 
-        blocks = [w.block for w in works if w.block is not None]
+            blocking = [w for w in works if w.block is not None]
 
-        def block(s: float) -> None:
-            for w in works:
-                if w.block is not None and not w.done():
-                    w.block(s)
-                    return
+            def block_any(s: float) -> None:
+                for w in blocking:
+                    if not w.done():
+                        w.block(s)
+                        return
 
-        label = what or ", ".join(dict.fromkeys(w.what for w in works))
+            block = block_any if blocking else None
+            spin = any(w.spin for w in works)
+
+        def label() -> str:
+            return what or ", ".join(dict.fromkeys(label_text(w.what) for w in works))
+
         if self.control is None:  # before gpudist.init finished: a plain bounded wait
             from ..control import Control
 
-            Control(None, self.rank, self.size, self.timeout).wait(
-                done, label, block=block if blocks else None, spin=any(w.spin for w in works))
+            Control(None, self.rank, self.size, self.timeout).wait(done, label, block=block,
+                                                                   spin=spin)
         else:
-            self.control.wait(done, label, block=block if blocks else None,
-                              spin=any(w.spin for w in works))
+            self.control.wait(done, label, block=block, spin=spin)
         for w in works:
             w.finish()
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..control import Label
 from ..errors import DeviceError
 from .base import P2P, Group, Staging, Transport, Work
 
@@ -108,12 +109,10 @@ class MPITransport(Transport):
         s = self.staging.host(key, t.shape, t.dtype)
         return self._spec(s, typed), s
 
-    def _work(self, req, what: str, staged=None, orig=None) -> Work:
-        def finish() -> None:
-            if orig is not None and staged is not orig:
-                orig.copy_(staged)
-
-        return Work(what, req.Test, finish if orig is not None else None, spin=True)
+    def _work(self, req, what: Label, staged=None, orig=None) -> Work:
+        if orig is None or staged is orig:
+            return Work(what, req.Test, None, spin=True)
+        return Work(what, req.Test, lambda: orig.copy_(staged), spin=True)
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -149,21 +148,28 @@ class MPITransport(Transport):
             for staged, t in back:
                 t.copy_(staged)
 
-        what = f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+        def what() -> str:
+            return f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+
         return [Work(what, done, finish if back else None, spin=True)]
 
     def broadcast(self, tensor, src, group):
+        def what() -> str:
+            return f"broadcast from {src} over {list(group.ranks)}"
+
         key = ("bcast", group.ranks, src)
         if self.rank == src:
             buf, _ = self._src(key, tensor)
             req = group.handle.Ibcast(buf, root=group.index(src))
-            return self._work(req, f"broadcast from {src} over {list(group.ranks)}")
+            return self._work(req, what)
         buf, s = self._dst(key, tensor)
         req = group.handle.Ibcast(buf, root=group.index(src))
-        return self._work(req, f"broadcast from {src} over {list(group.ranks)}", s, tensor)
+        return self._work(req, what, s, tensor)
 
     def reduce(self, tensor, dst, group):
-        what = f"reduce to {dst} over {list(group.ranks)}"
+        def what() -> str:
+            return f"reduce to {dst} over {list(group.ranks)}"
+
         key = ("reduce", group.ranks, dst)
         root = group.index(dst)
         buf, s = self._src(key, tensor, typed=True)
@@ -176,19 +182,19 @@ class MPITransport(Transport):
     def all_reduce(self, tensor, group):
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
         req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return self._work(req, f"all-reduce over {list(group.ranks)}", s, tensor)
+        return self._work(req, lambda: f"all-reduce over {list(group.ranks)}", s, tensor)
 
     def all_gather(self, out, tensor, group):
         ob, so = self._dst(("ag-out", group.ranks), out)
         ib, _ = self._src(("ag-in", group.ranks), tensor)
         req = group.handle.Iallgather(ib, ob)
-        return self._work(req, f"all-gather over {list(group.ranks)}", so, out)
+        return self._work(req, lambda: f"all-gather over {list(group.ranks)}", so, out)
 
     def reduce_scatter(self, out, inp, group):
         ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
         ib, _ = self._src(("rs-in", group.ranks), inp, typed=True)
         req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
-        return self._work(req, f"reduce-scatter over {list(group.ranks)}", so, out)
+        return self._work(req, lambda: f"reduce-scatter over {list(group.ranks)}", so, out)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group):
         ob, so = self._dst(("a2a-out", group.ranks), out)
@@ -207,12 +213,12 @@ class MPITransport(Transport):
             [ib[0], (ic, displ(in_splits)), self.MPI.BYTE],
             [ob[0], (oc, displ(out_splits)), self.MPI.BYTE],
         )
-        return self._work(req, f"all-to-all over {list(group.ranks)}", so, out)
+        return self._work(req, lambda: f"all-to-all over {list(group.ranks)}", so, out)
 
     def meta_all_gather(self, out, row, group):
         req = group.meta.Iallgather([row.numpy(), self.MPI.INT64_T],
                                     [out.numpy(), self.MPI.INT64_T])
-        return self._work(req, f"metadata exchange over {list(group.ranks)}")
+        return self._work(req, lambda: f"metadata exchange over {list(group.ranks)}")
 
     def finalize(self) -> None:
         self._groups.clear()

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..control import Label, label_text
 from ..errors import CommTimeout, DeviceError
 from .base import P2P, Group, Staging, Transport, Work
 
@@ -30,9 +31,10 @@ from .base import P2P, Group, Staging, Transport, Work
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _backend_error(e: BaseException, what: str, control=None) -> BaseException:
+def _backend_error(e: BaseException, what: Label, control=None) -> BaseException:
     """The gpudist error for a backend failure: the failure a peer posted, if any (its
     exit is what broke the connection), else what the backend said."""
+    what = label_text(what)
     if control is not None:
         try:
             control.poll_abort(what)
@@ -133,7 +135,7 @@ class TorchDistTransport(Transport):
         self._check(t)
         return self.staging.host(key, t.shape, t.dtype)
 
-    def _coll(self, w, what: str, staged: torch.Tensor | None = None,
+    def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
               orig: torch.Tensor | None = None) -> Work:
         def finish() -> None:
             try:
@@ -166,7 +168,8 @@ class TorchDistTransport(Transport):
             fn = dist.isend if o.op == "send" else dist.irecv
             dops.append(dist.P2POp(fn, t, o.peer, tag=o.tag))
         works = dist.batch_isend_irecv(dops)
-        what = f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+        def what() -> str:
+            return f"point-to-point with ranks {sorted({o.peer for o in ops})}"
 
         def copy_back() -> None:
             for staged, orig in back:
@@ -191,26 +194,28 @@ class TorchDistTransport(Transport):
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
         s = self._in(("bcast", group.ranks, src), tensor)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        return self._coll(w, f"broadcast from {src} over {list(group.ranks)}", s, tensor)
+        return self._coll(w, lambda: f"broadcast from {src} over {list(group.ranks)}", s, tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, f"reduce to {dst} over {list(group.ranks)}", s, tensor)
+        return self._coll(w, lambda: f"reduce to {dst} over {list(group.ranks)}", s, tensor)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
         s = self._in(("allreduce", group.ranks), tensor)
         w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, f"all-reduce over {list(group.ranks)}", s, tensor)
+        return self._coll(w, lambda: f"all-reduce over {list(group.ranks)}", s, tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
         so = self._out(("ag-out", group.ranks), out)
         si = self._in(("ag-in", group.ranks), tensor)
         w = _all_gather_single(so, si, group=group.handle, async_op=True)
-        return self._coll(w, f"all-gather over {list(group.ranks)}", so, out)
+        return self._coll(w, lambda: f"all-gather over {list(group.ranks)}", so, out)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
-        what = f"reduce-scatter over {list(group.ranks)}"
+        def what() -> str:
+            return f"reduce-scatter over {list(group.ranks)}"
+
         if self.backend == "gloo":  # gloo has no reduce_scatter: all-reduce, keep the slot
             s = self.staging.host(("rs-in", group.ranks), inp.shape, inp.dtype)
             s.copy_(inp)
@@ -238,11 +243,11 @@ class TorchDistTransport(Transport):
         w = dist.all_to_all_single(
             so, si, list(out_splits), list(in_splits), group=group.handle, async_op=True
         )
-        return self._coll(w, f"all-to-all over {list(group.ranks)}", so, out)
+        return self._coll(w, lambda: f"all-to-all over {list(group.ranks)}", so, out)
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
-        return self._coll(w, f"metadata exchange over {list(group.ranks)}")
+        return self._coll(w, lambda: f"metadata exchange over {list(group.ranks)}")
 
     def finalize(self) -> None:
         self._waiter.stop()
