@@ -9,6 +9,9 @@ broadcast      Broadcast root -> (n,)           broadcast | Bcast   (size bytes)
 sumreduce      SumReduce (n,) -> root           reduce | Reduce     (size bytes)   1
 allsumreduce   AllSumReduce((n,), axes=(0,))    all_reduce | Allreduce             2(n-1)/n
 repartition    Repartition (n,1) -> (1,n)       all_to_all_single | Alltoall       (n-1)/n
+repartition_   the same Repartition             the column strips packed with      (n-1)/n
+pack                                            torch, then Alltoall (unpacked in
+                                                the adjoint): the work it needs
 allgather      AllGather((n,), 0, 0)            all_gather_into_tensor | Allgather (n-1)/n
 reducescatter  ReduceScatter((n,), 0, 0)        reduce_scatter_tensor | Reduce_    (n-1)/n
                                                 scatter_block (gloo: all_reduce)
@@ -29,11 +32,12 @@ import argparse
 
 from .common import KiB, MiB, RawBackend, Timer, add_common_args, progress, run_suite
 
-PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "allgather",
-         "reducescatter"]
+PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "repartition_pack",
+         "allgather", "reducescatter"]
 BUSBW = {"broadcast": lambda n: 1.0, "sumreduce": lambda n: 1.0,
          "allsumreduce": lambda n: 2 * (n - 1) / n, "repartition": lambda n: (n - 1) / n,
-         "allgather": lambda n: (n - 1) / n, "reducescatter": lambda n: (n - 1) / n}
+         "allgather": lambda n: (n - 1) / n, "reducescatter": lambda n: (n - 1) / n,
+         "repartition_pack": lambda n: (n - 1) / n}
 
 
 def sizes_of(args) -> list[int]:
@@ -166,7 +170,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         def ra():
             raw.all_reduce(full, other)
             raw.all_reduce(dy, other)
-    elif prim == "repartition":
+    elif prim in ("repartition", "repartition_pack"):
         m = max(1, numel // n)
         g = (n * m, n)  # local in (m, n) on (n,1); local out (n*m, 1) on (1,n)
         op = Repartition(Partition.grid((n, 1)), Partition.grid((1, n)))
@@ -176,12 +180,27 @@ def _cases(prim: str, size: int, world, hint: bool):
         src = x.reshape(-1).contiguous()
         dst = torch.empty_like(src)
 
-        def rf():
-            raw.all_to_all(dst, src)
+        if prim == "repartition":  # the wire alone: contiguous buffers both ways
+            def rf():
+                raw.all_to_all(dst, src)
 
-        def ra():
-            raw.all_to_all(dst, src)
-            raw.all_to_all(src, dst)
+            def ra():
+                raw.all_to_all(dst, src)
+                raw.all_to_all(src, dst)
+        else:  # what this move needs: column strips packed, sent, unpacked on the way back
+            packed = torch.empty(n, m, **f32)
+            xr = x.clone()
+
+            def rf():
+                for j in range(n):  # column by column (faster than one transposed copy)
+                    packed[j].copy_(xr[:, j])
+                raw.all_to_all(dst, packed.view(-1))
+
+            def ra():
+                rf()
+                raw.all_to_all(packed.view(-1), dst)
+                for j in range(n):
+                    xr[:, j].copy_(packed[j])
     elif prim == "allgather":
         m = max(1, numel // n)
         op = AllGather(P, 0, 0)

@@ -270,7 +270,9 @@ def _rendezvous_store(launch: LaunchEnv, td: datetime.timedelta):
 
     addr, port = launch.master_addr, launch.master_port
     if addr is None and launch.launcher == "mpi" and _mpi_available():
-        from mpi4py import MPI
+        from .transport.mpi import _mpi
+
+        MPI = _mpi()
 
         addr, port = MPI.COMM_WORLD.bcast(
             (socket.gethostname(), _free_port()) if launch.rank == 0 else None

@@ -38,6 +38,7 @@ class _Side:
     counts: list[int]
     run: int | None  # flat offset where the boxes lie back to back (None: pack)
     shape: tuple[int, ...]
+    moved: tuple[Box, ...] = ()  # the non-empty boxes, in peer order (what is packed)
 
     @property
     def total(self) -> int:
@@ -69,7 +70,7 @@ def _side(shape: tuple[int, ...], boxes: list[Box | None]) -> _Side:
             ok = False
             break
         at += k
-    return _Side(boxes, counts, run if ok else None, shape)
+    return _Side(boxes, counts, run if ok else None, shape, tuple(b for b in boxes if b))
 
 
 def _overlaps(spec_a: TensorSpec, spec_b: TensorSpec, slots: Sequence[int]) -> list[Box | None]:
@@ -94,6 +95,32 @@ def _overlaps(spec_a: TensorSpec, spec_b: TensorSpec, slots: Sequence[int]) -> l
     return out
 
 
+def _even(spec_in: TensorSpec, spec_out: TensorSpec, slots: Sequence[int]) -> bool:
+    """Whether every member of the group sends every member the same number of entries
+    (found from the specs alone, so every rank answers alike)."""
+    def blocks(spec: TensorSpec) -> dict[int, tuple[list[int], list[int]]]:
+        P = spec.partition
+        out = {}
+        for i, r in enumerate(P.ranks):
+            c = P.coords_of(i)
+            s0 = spec.local_start_of(c)
+            out[r] = (s0, [a + n for a, n in zip(s0, spec.local_shape_of(c))])
+        return out
+
+    bi, bo = blocks(spec_in), blocks(spec_out)
+    counts = set()
+    for a in slots:
+        for b in slots:
+            if a not in bi or b not in bo:
+                return False
+            (s0, s1), (t0, t1) = bi[a], bo[b]
+            counts.add(math.prod(max(0, min(e, f) - max(x, y))
+                                 for x, y, e, f in zip(s0, t0, s1, t1)))
+            if len(counts) > 1:
+                return False
+    return len(counts) == 1 and 0 not in counts
+
+
 class Repartition(Primitive):
     """Move a tensor from ``P_in`` to ``P_out``; adjoint: the reverse move.
 
@@ -111,6 +138,7 @@ class Repartition(Primitive):
         super().__init__(P_in.world, set(P_in.ranks) | set(P_out.ranks),
                          (P_in.key, P_out.key))
         self.in_partition = P_in
+        self._packers: dict = {}
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         if not spec.standard:
@@ -125,16 +153,24 @@ class Repartition(Primitive):
         slots = list(self.group.ranks) if self.group is not None else [self.world.rank]
         fwd_send = _side(spec.local_shape, _overlaps(spec, out, slots))
         fwd_recv = _side(out.local_shape, _overlaps(out, spec, slots))
-        return (fwd_send, fwd_recv), False
+        return (fwd_send, fwd_recv, _even(spec, out, slots)), False
 
-    def _move(self, x: torch.Tensor, send: _Side, recv: _Side, name: str) -> torch.Tensor:
+    def _packer(self, t: torch.Tensor):
+        key = (t.device, t.dtype)
+        p = self._packers.get(key)
+        if p is None:
+            p = self._packers[key] = get_packer(t.device, t.dtype)
+        return p
+
+    def _move(self, x: torch.Tensor, send: _Side, recv: _Side, name: str, even: bool
+              ) -> torch.Tensor:
         tr = self.world.transport
         out = self.buffers.get(name, recv.shape, x.dtype, x.device)
         if send.run is not None:
             sbuf = x.contiguous().view(-1)[send.run:send.run + send.total]
         else:
             sbuf = self.buffers.get(name + "-send", (send.total,), x.dtype, x.device)
-            get_packer(x.device, x.dtype).pack(x, [b for b in send.boxes if b], out=sbuf)
+            self._packer(x).pack(x, send.moved, out=sbuf)
         if recv.run is not None:
             rbuf = out.view(-1)[recv.run:recv.run + recv.total]
         else:
@@ -142,19 +178,19 @@ class Repartition(Primitive):
         if self.group is None:  # one worker: a local copy
             rbuf.copy_(sbuf)
         else:
-            tr.wait([tr.all_to_all(rbuf, sbuf, recv.counts, send.counts, self.group)])
+            tr.wait([tr.all_to_all(rbuf, sbuf, recv.counts, send.counts, self.group, even)])
         if recv.run is None:
-            get_packer(out.device, out.dtype).unpack(rbuf, out, [b for b in recv.boxes if b])
+            self._packer(out).unpack(rbuf, out, recv.moved)
         return out
 
     def forward(self, x, plan: Plan):
-        send, recv = plan.local
-        y = self._move(x, send, recv, "out")
+        send, recv, even = plan.local
+        y = self._move(x, send, recv, "out", even)
         return y if self.P_out.active else zero_volume(plan.out.ndim, like=x)
 
     def adjoint(self, dy, plan: Plan):
-        send, recv = plan.local
-        dx = self._move(dy, recv, send, "adjoint")
+        send, recv, even = plan.local
+        dx = self._move(dy, recv, send, "adjoint", even)
         return dx if self.P_in.active else zero_volume(plan.spec.ndim, like=dy)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -72,9 +73,9 @@ def completed(what: str = "no-op") -> Work:
     return Work(what, lambda: True)
 
 
-@dataclass(frozen=True)
-class P2P:
-    """One half of a point-to-point transfer: ``op`` is "send" or "recv"."""
+class P2P(NamedTuple):
+    """One half of a point-to-point transfer: ``op`` is "send" or "recv" (a named tuple:
+    a halo exchange makes several per step)."""
 
     op: str
     tensor: torch.Tensor
@@ -202,8 +203,10 @@ class Transport(ABC):
 
     @abstractmethod
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],
-                   in_splits: Sequence[int], group: Group) -> Work:
-        """Uneven all-to-all of flat buffers: ``inp[in_splits[j]]`` goes to member ``j``."""
+                   in_splits: Sequence[int], group: Group, even: bool = False) -> Work:
+        """Uneven all-to-all of flat buffers: ``inp[in_splits[j]]`` goes to member ``j``.
+        ``even``: every member sends every member the same count (the caller knows it for
+        all members, so a backend may use its regular all-to-all on every rank alike)."""
 
     @abstractmethod
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:

@@ -237,7 +237,8 @@ class TorchDistTransport(Transport):
                                        async_op=True)
         return self._coll(w, what, so, out)
 
-    def all_to_all(self, out, inp, out_splits, in_splits, group: Group) -> Work:
+    def all_to_all(self, out, inp, out_splits, in_splits, group: Group,
+                   even: bool = False) -> Work:
         so = self._out(("a2a-out", group.ranks), out)
         si = self._in(("a2a-in", group.ranks), inp)
         w = dist.all_to_all_single(
