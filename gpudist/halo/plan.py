@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import HaloError, ShapeError, raised_everywhere
-from ..kernels import Packer, get_packer
+from ..kernels import Packers
 from ..kernels.regions import collapse
 from ..partition import Partition
 from ..transport.base import P2P
@@ -157,7 +157,7 @@ class HaloPlan:
                     f"has {s}"))
         if not P.active:
             raise ValueError("HaloPlan is made on the partition's own workers only")
-        self.prefer, self.fill, self.tag = packer, fill, tag
+        self.fill, self.tag = fill, tag
         self.global_shape = tuple(g.size for g in self.geometry)
         me = tuple(g.worker(c) for g, c in zip(self.geometry, P.coords))
         self.me: tuple[WorkerHalo, ...] = me
@@ -225,7 +225,7 @@ class HaloPlan:
             self.bulk_box == self.out_box == tuple((0, n) for n in self.work_shape)
         self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._progs: dict[tuple, list[_Move]] = {}
-        self._packers: dict[tuple, Packer] = {}
+        self._packers = Packers(packer)
         # the slabs of global padding the buffer holds, and W minus out_box (zeroed in the
         # adjoint before the gradient is written)
         self.pad_slabs = _slabs(self.work_shape, tuple(
@@ -293,7 +293,7 @@ class HaloPlan:
         """One step: pack what is not a contiguous run, send/receive, unpack (or add)."""
         flat = W.view(-1)
         sbuf, rbuf = self._buffers(move, W)
-        packer = self.packer(W)
+        packer = self._packers.of(W)
         tr = self.P.world.transport
         works = tr.batch_p2p([P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
                               for run, a, n, peer, tag in move.recvs])  # receives first
@@ -304,13 +304,6 @@ class HaloPlan:
         tr.wait(works, move.label)
         for at, n, boxes in move.unpack:
             packer.unpack(rbuf[at:at + n], W, boxes, add=move.add)
-
-    def packer(self, t: torch.Tensor) -> Packer:
-        key = (t.device, t.dtype)
-        p = self._packers.get(key)
-        if p is None:
-            p = self._packers[key] = get_packer(t.device, t.dtype, prefer=self.prefer)
-        return p
 
     def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
         """data_ptr of every cached send/receive buffer pair (to check reuse)."""

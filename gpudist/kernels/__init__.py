@@ -125,6 +125,22 @@ def get_packer(device: str | torch.device, dtype: torch.dtype = torch.float32,
     return _make("torch")  # type: ignore[return-value]
 
 
+class Packers:
+    """The packer of each (device, dtype) a plan meets, chosen once by :func:`get_packer`
+    (plans pack on every call; the choice reads the environment)."""
+
+    def __init__(self, prefer: str | None = None) -> None:
+        self.prefer = prefer
+        self._chosen: dict[tuple, Packer] = {}
+
+    def of(self, t: torch.Tensor) -> Packer:
+        key = (t.device, t.dtype)
+        p = self._chosen.get(key)
+        if p is None:
+            p = self._chosen[key] = get_packer(t.device, t.dtype, prefer=self.prefer)
+        return p
+
+
 def halo_faces(shape: Sequence[int], width: int, dim: int) -> list[Box]:
     """The two boxes of ``width`` at both ends of ``dim`` (what one halo exchange packs)."""
     lo = tuple((0, n) for n in shape)
@@ -176,5 +192,5 @@ def autotune(device: str | torch.device, dtype: torch.dtype = torch.float32,
     return best
 
 
-__all__ = ["IMPLS", "Box", "Packer", "TorchPacker", "autotune", "available", "get_packer",
-           "halo_faces"]
+__all__ = ["IMPLS", "Box", "Packer", "Packers", "TorchPacker", "autotune", "available",
+           "get_packer", "halo_faces"]

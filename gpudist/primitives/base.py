@@ -180,9 +180,13 @@ class Primitive(torch.nn.Module):
             return local
         if local.requires_grad and torch.is_grad_enabled():
             return _LinearOp.apply(self, plan, local)
+        return self.run_forward(local, plan)  # no graph to record: F alone
+
+    def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """F on a block, numbered for the control plane (both paths of :meth:`apply`)."""
         with self.world.control.op(self.participants, self._fwd_label, plan.fingerprint,
-                                   self.collective):  # no graph to record: F alone
-            return self.forward(local, plan)
+                                   self.collective):
+            return self.forward(x, plan)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F* on a gradient block, numbered and inside the failure scope (autograd's path)."""
@@ -206,9 +210,7 @@ class _LinearOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor):  # type: ignore[override]
         ctx.op, ctx.plan = op, plan
-        with op.world.control.op(op.participants, op._fwd_label, plan.fingerprint,
-                                 op.collective):
-            return op.forward(x, plan)
+        return op.run_forward(x, plan)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]

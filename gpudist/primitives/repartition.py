@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
-from ..kernels import get_packer
+from ..kernels import Packers
 from ..kernels.regions import collapse
 from ..partition import Partition
 from ..spec import DistTensor, TensorSpec
@@ -73,49 +73,47 @@ def _side(shape: tuple[int, ...], boxes: list[Box | None]) -> _Side:
     return _Side(boxes, counts, run if ok else None, shape, tuple(b for b in boxes if b))
 
 
+def _bounds(spec: TensorSpec, rank: int) -> tuple[list[int], list[int]] | None:
+    """(start, end) of world rank ``rank``'s block under ``spec``; None if it has none."""
+    P = spec.partition
+    if rank not in P.ranks:
+        return None
+    c = P.coords_of(P.ranks.index(rank))
+    s0 = spec.local_start_of(c)
+    return s0, [a + n for a, n in zip(s0, spec.local_shape_of(c))]
+
+
+def _common(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]
+            ) -> list[tuple[int, int]]:
+    """Per dimension the (lo, hi) both blocks cover, in global coordinates."""
+    return [(max(x, y), min(e, f)) for x, y, e, f in zip(a[0], b[0], a[1], b[1])]
+
+
 def _overlaps(spec_a: TensorSpec, spec_b: TensorSpec, slots: Sequence[int]) -> list[Box | None]:
     """For each peer slot (world rank), the box of my block under ``spec_a`` that the
     peer's block under ``spec_b`` covers, in my local coordinates."""
-    Pa, Pb = spec_a.partition, spec_b.partition
+    mine = _bounds(spec_a, spec_a.partition.world.rank)
     out: list[Box | None] = []
-    if not Pa.active:
-        return [None] * len(slots)
-    s0 = spec_a.local_start
-    s1 = [a + n for a, n in zip(s0, spec_a.local_shape)]
     for r in slots:
-        if r not in Pb.ranks:
-            out.append(None)
-            continue
-        c = Pb.coords_of(Pb.ranks.index(r))
-        t0 = spec_b.local_start_of(c)
-        t1 = [a + n for a, n in zip(t0, spec_b.local_shape_of(c))]
-        box = tuple((max(a, b) - a0, min(e, f) - a0) for a, b, e, f, a0 in
-                    zip(s0, t0, s1, t1, s0))
-        out.append(box if all(hi > lo for lo, hi in box) else None)
+        theirs = _bounds(spec_b, r) if mine is not None else None
+        box = None
+        if theirs is not None:
+            box = tuple((lo - a0, hi - a0) for (lo, hi), a0 in zip(_common(mine, theirs),
+                                                                   mine[0]))
+        out.append(box if box is not None and all(hi > lo for lo, hi in box) else None)
     return out
 
 
 def _even(spec_in: TensorSpec, spec_out: TensorSpec, slots: Sequence[int]) -> bool:
-    """Whether every member of the group sends every member the same number of entries
-    (found from the specs alone, so every rank answers alike)."""
-    def blocks(spec: TensorSpec) -> dict[int, tuple[list[int], list[int]]]:
-        P = spec.partition
-        out = {}
-        for i, r in enumerate(P.ranks):
-            c = P.coords_of(i)
-            s0 = spec.local_start_of(c)
-            out[r] = (s0, [a + n for a, n in zip(s0, spec.local_shape_of(c))])
-        return out
-
-    bi, bo = blocks(spec_in), blocks(spec_out)
+    """Whether every member of the group sends every member the same nonzero number of
+    entries (found from the specs alone, so every rank answers alike)."""
     counts = set()
     for a in slots:
         for b in slots:
-            if a not in bi or b not in bo:
+            ba, bb = _bounds(spec_in, a), _bounds(spec_out, b)
+            if ba is None or bb is None:
                 return False
-            (s0, s1), (t0, t1) = bi[a], bo[b]
-            counts.add(math.prod(max(0, min(e, f) - max(x, y))
-                                 for x, y, e, f in zip(s0, t0, s1, t1)))
+            counts.add(math.prod(max(0, hi - lo) for lo, hi in _common(ba, bb)))
             if len(counts) > 1:
                 return False
     return len(counts) == 1 and 0 not in counts
@@ -138,7 +136,7 @@ class Repartition(Primitive):
         super().__init__(P_in.world, set(P_in.ranks) | set(P_out.ranks),
                          (P_in.key, P_out.key))
         self.in_partition = P_in
-        self._packers: dict = {}
+        self._packers = Packers()
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         if not spec.standard:
@@ -155,13 +153,6 @@ class Repartition(Primitive):
         fwd_recv = _side(out.local_shape, _overlaps(out, spec, slots))
         return (fwd_send, fwd_recv, _even(spec, out, slots)), False
 
-    def _packer(self, t: torch.Tensor):
-        key = (t.device, t.dtype)
-        p = self._packers.get(key)
-        if p is None:
-            p = self._packers[key] = get_packer(t.device, t.dtype)
-        return p
-
     def _move(self, x: torch.Tensor, send: _Side, recv: _Side, name: str, even: bool
               ) -> torch.Tensor:
         tr = self.world.transport
@@ -170,7 +161,7 @@ class Repartition(Primitive):
             sbuf = x.contiguous().view(-1)[send.run:send.run + send.total]
         else:
             sbuf = self.buffers.get(name + "-send", (send.total,), x.dtype, x.device)
-            self._packer(x).pack(x, send.moved, out=sbuf)
+            self._packers.of(x).pack(x, send.moved, out=sbuf)
         if recv.run is not None:
             rbuf = out.view(-1)[recv.run:recv.run + recv.total]
         else:
@@ -180,7 +171,7 @@ class Repartition(Primitive):
         else:
             tr.wait([tr.all_to_all(rbuf, sbuf, recv.counts, send.counts, self.group, even)])
         if recv.run is None:
-            self._packer(out).unpack(rbuf, out, recv.moved)
+            self._packers.of(out).unpack(rbuf, out, recv.moved)
         return out
 
     def forward(self, x, plan: Plan):

@@ -46,6 +46,11 @@ class Group:
     def index(self, world_rank: int) -> int:
         return self.ranks.index(world_rank)
 
+    def doing(self, what: str) -> Label:
+        """The label "<what> over [ranks]" of an operation on this group, as a function:
+        formatted only if a wait turns slow or fails."""
+        return lambda: f"{what} over {list(self.ranks)}"
+
 
 class Work:
     """A pending operation: ``done()`` polls it (driving progress where the backend needs
@@ -81,6 +86,11 @@ class P2P(NamedTuple):
     tensor: torch.Tensor
     peer: int
     tag: int = 0
+
+
+def p2p_label(ops: Sequence[P2P]) -> Label:
+    """The label of a batch of point-to-point transfers (formatted only if needed)."""
+    return lambda: f"point-to-point with ranks {sorted({o.peer for o in ops})}"
 
 
 class Staging:

@@ -16,7 +16,7 @@ import torch
 
 from ..control import Label
 from ..errors import DeviceError
-from .base import P2P, Group, Staging, Transport, Work
+from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -157,15 +157,11 @@ class MPITransport(Transport):
             for staged, t in back:
                 t.copy_(staged)
 
-        def what() -> str:
-            return f"point-to-point with ranks {sorted({o.peer for o in ops})}"
-
+        what = p2p_label(ops)
         return [Work(what, done, finish if back else None, spin=True)]
 
     def broadcast(self, tensor, src, group):
-        def what() -> str:
-            return f"broadcast from {src} over {list(group.ranks)}"
-
+        what = group.doing(f"broadcast from {src}")
         key = ("bcast", group.ranks, src)
         if self.rank == src:
             buf, _ = self._src(key, tensor)
@@ -176,9 +172,7 @@ class MPITransport(Transport):
         return self._work(req, what, s, tensor)
 
     def reduce(self, tensor, dst, group):
-        def what() -> str:
-            return f"reduce to {dst} over {list(group.ranks)}"
-
+        what = group.doing(f"reduce to {dst}")
         key = ("reduce", group.ranks, dst)
         root = group.index(dst)
         buf, s = self._src(key, tensor, typed=True)
@@ -191,19 +185,19 @@ class MPITransport(Transport):
     def all_reduce(self, tensor, group):
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
         req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return self._work(req, lambda: f"all-reduce over {list(group.ranks)}", s, tensor)
+        return self._work(req, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out, tensor, group):
         ob, so = self._dst(("ag-out", group.ranks), out)
         ib, _ = self._src(("ag-in", group.ranks), tensor)
         req = group.handle.Iallgather(ib, ob)
-        return self._work(req, lambda: f"all-gather over {list(group.ranks)}", so, out)
+        return self._work(req, group.doing("all-gather"), so, out)
 
     def reduce_scatter(self, out, inp, group):
         ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
         ib, _ = self._src(("rs-in", group.ranks), inp, typed=True)
         req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
-        return self._work(req, lambda: f"reduce-scatter over {list(group.ranks)}", so, out)
+        return self._work(req, group.doing("reduce-scatter"), so, out)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group, even=False):
         ob, so = self._dst(("a2a-out", group.ranks), out)
@@ -211,7 +205,7 @@ class MPITransport(Transport):
         e = out.element_size()
         if even:  # the regular all-to-all on every rank (MPICH's Ialltoallv is ~40 % slower)
             req = group.handle.Ialltoall(ib, ob)
-            return self._work(req, lambda: f"all-to-all over {list(group.ranks)}", so, out)
+            return self._work(req, group.doing("all-to-all"), so, out)
 
         def displ(splits):
             d, s = [], 0
@@ -225,12 +219,12 @@ class MPITransport(Transport):
             [ib[0], (ic, displ(in_splits)), self.MPI.BYTE],
             [ob[0], (oc, displ(out_splits)), self.MPI.BYTE],
         )
-        return self._work(req, lambda: f"all-to-all over {list(group.ranks)}", so, out)
+        return self._work(req, group.doing("all-to-all"), so, out)
 
     def meta_all_gather(self, out, row, group):
         req = group.meta.Iallgather([row.numpy(), self.MPI.INT64_T],
                                     [out.numpy(), self.MPI.INT64_T])
-        return self._work(req, lambda: f"metadata exchange over {list(group.ranks)}")
+        return self._work(req, group.doing("metadata exchange"))
 
     def finalize(self) -> None:
         self._groups.clear()

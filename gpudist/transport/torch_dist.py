@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..control import Label, label_text
 from ..errors import CommTimeout, DeviceError
-from .base import P2P, Group, Staging, Transport, Work
+from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -168,8 +168,7 @@ class TorchDistTransport(Transport):
             fn = dist.isend if o.op == "send" else dist.irecv
             dops.append(dist.P2POp(fn, t, o.peer, tag=o.tag))
         works = dist.batch_isend_irecv(dops)
-        def what() -> str:
-            return f"point-to-point with ranks {sorted({o.peer for o in ops})}"
+        what = p2p_label(ops)
 
         def copy_back() -> None:
             for staged, orig in back:
@@ -194,28 +193,26 @@ class TorchDistTransport(Transport):
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
         s = self._in(("bcast", group.ranks, src), tensor)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        return self._coll(w, lambda: f"broadcast from {src} over {list(group.ranks)}", s, tensor)
+        return self._coll(w, group.doing(f"broadcast from {src}"), s, tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, lambda: f"reduce to {dst} over {list(group.ranks)}", s, tensor)
+        return self._coll(w, group.doing(f"reduce to {dst}"), s, tensor)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
         s = self._in(("allreduce", group.ranks), tensor)
         w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, lambda: f"all-reduce over {list(group.ranks)}", s, tensor)
+        return self._coll(w, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
         so = self._out(("ag-out", group.ranks), out)
         si = self._in(("ag-in", group.ranks), tensor)
         w = _all_gather_single(so, si, group=group.handle, async_op=True)
-        return self._coll(w, lambda: f"all-gather over {list(group.ranks)}", so, out)
+        return self._coll(w, group.doing("all-gather"), so, out)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
-        def what() -> str:
-            return f"reduce-scatter over {list(group.ranks)}"
-
+        what = group.doing("reduce-scatter")
         if self.backend == "gloo":  # gloo has no reduce_scatter: all-reduce, keep the slot
             s = self.staging.host(("rs-in", group.ranks), inp.shape, inp.dtype)
             s.copy_(inp)
@@ -244,11 +241,11 @@ class TorchDistTransport(Transport):
         w = dist.all_to_all_single(
             so, si, list(out_splits), list(in_splits), group=group.handle, async_op=True
         )
-        return self._coll(w, lambda: f"all-to-all over {list(group.ranks)}", so, out)
+        return self._coll(w, group.doing("all-to-all"), so, out)
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
-        return self._coll(w, lambda: f"metadata exchange over {list(group.ranks)}")
+        return self._coll(w, group.doing("metadata exchange"))
 
     def finalize(self) -> None:
         self._waiter.stop()
