@@ -53,8 +53,9 @@ import torch
 
 import gpudist.nn as gnn
 from gpudist import DistTensor, Partition
-from gpudist.launch import Cluster, RankFailure, mpiexec
+from gpudist.launch import Cluster, RankFailure
 from gpudist.primitives import zero_volume
+from tests.conftest import HAS_MPI
 from tests.util import block_of, gather, global_tensor, maxerr
 
 N = int(os.environ.get("GPUDIST_FUZZ_N", "100"))
@@ -69,15 +70,6 @@ F64 = torch.float64
 NOT_AGREED = {"RemoteError", "WorldAborted", "CommTimeout", "MismatchError"}
 
 
-def _has_mpi() -> bool:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return mpiexec() is not None
-
-
-HAS_MPI = _has_mpi()
 
 
 # =========================================================================== generation

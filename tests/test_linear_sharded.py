@@ -21,7 +21,14 @@ from gpudist.nn.linear_sharded import (
     DistributedLinearReduceScatterZero,
 )
 from gpudist.testing import jacobian_adjoint_mismatch as jam
-from tests.util import block_of, gather, global_checkpoint_roundtrip, global_tensor, maxerr
+from tests.util import (
+    assert_raised_everywhere,
+    block_of,
+    gather,
+    global_checkpoint_roundtrip,
+    global_tensor,
+    maxerr,
+)
 
 TOL = 1e-10
 LAYERS = {"ag": DistributedLinearAllGather, "rs": DistributedLinearReduceScatter,
@@ -306,4 +313,4 @@ def _bad(which):
 ])
 def test_errors_on_every_rank(cluster, which, err, text):
     errs = cluster.run(4, _bad, which, expect_error=True)
-    assert all(e is not None and e.type == err and text in e.message for e in errs), errs
+    assert_raised_everywhere(errs, err, text)

@@ -32,6 +32,12 @@ def gather(t: torch.Tensor, P: Partition, gshape, root: Partition | None = None)
     return Repartition(P, root)(x).local, root
 
 
+def assert_raised_everywhere(errs, kind: str, text: str) -> None:
+    """Every rank's error (from ``cluster.run(..., expect_error=True)``) is ``kind`` and
+    names ``text``."""
+    assert all(e is not None and e.type == kind and text in e.message for e in errs), errs
+
+
 def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest |a - b|: equal infinities (and NaN against NaN) count as 0, NaN against a
     number as inf (a plain difference would give NaN, and ``NaN > tol`` is false)."""
