@@ -657,8 +657,10 @@ def dist_layer(cfg: dict):
                 kw["P_y"] = Partition(cfg["y_ranks"], cfg["y_shape"])
         if kind == "conv":
             cls = getattr(gnn, f"DistributedConv{cfg['nd']}d")
-            return cls(P_x, cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
-                       _t(cfg["d"]), cfg["groups"], cfg["bias"], **kw), P_x
+            layer = cls(P_x, cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]),
+                        _t(cfg["p"]), _t(cfg["d"]), cfg["groups"], cfg["bias"], **kw)
+            layer.boundary_strips = cfg["index"] % 2 == 1  # both local forms (no RNG draw)
+            return layer, P_x
         cls = getattr(gnn, f"DistributedConvTranspose{cfg['nd']}d")
         return cls(P_x, cfg["cin"], cfg["cout"], _t(cfg["k"]), _t(cfg["s"]), _t(cfg["p"]),
                    _t(cfg["q"]), cfg["groups"], cfg["bias"], _t(cfg["d"]), **kw), P_x

@@ -41,13 +41,14 @@ def _run_spatial(layer, seq, P, gshape):
     return errs, root
 
 
-def _conv_case(nd, pshape, ranks, gshape, cin, cout, k, s, p, d):
+def _conv_case(nd, pshape, ranks, gshape, cin, cout, k, s, p, d, strips=False):
     torch.manual_seed(0)
     P = Partition(ranks, pshape)
     cls = {1: gnn.DistributedConv1d, 2: gnn.DistributedConv2d, 3: gnn.DistributedConv3d}[nd]
     seqcls = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}[nd]
     seq = seqcls(cin, cout, k, s, p, d, dtype=torch.float64)
     layer = cls(P, cin, cout, k, s, p, d, dtype=torch.float64)
+    layer.boundary_strips = strips
     layer.load_global_state_dict(seq.state_dict())
     errs, root = _run_spatial(layer, seq, P, gshape)
     if root.active:
@@ -67,13 +68,35 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("strips", [False, True], ids=["copy", "strips"])
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[1]}d-{c[2]}-k{c[7]}s{c[8]}")
-def test_conv_equivalence(cluster, case):
+def test_conv_equivalence(cluster, case, strips):
     n, *args = case
-    for errs in cluster.run(n, _conv_case, *args):
+    for errs in cluster.run(n, _conv_case, *args, strips):
         for k, v in errs.items():
             assert v < TOL, (k, v)
-    assert any(cluster.run(n, _conv_case, *args))  # the root reported
+    assert any(cluster.run(n, _conv_case, *args, strips))  # the root reported
+
+
+def _plans_with_strips(nd, pshape, ranks, gshape, cin, cout, k, s, p, d):
+    """Per plan of this rank: whether it takes the boundary-strip form."""
+    P = Partition(ranks, pshape)
+    cls = {1: gnn.DistributedConv1d, 2: gnn.DistributedConv2d, 3: gnn.DistributedConv3d}[nd]
+    layer = cls(P, cin, cout, k, s, p, d, dtype=torch.float64)
+    layer.boundary_strips = True
+    layer(block_of(global_tensor(gshape), P))
+    return [plan.strips is not None for plan in layer._plans.values()]
+
+
+def test_boundary_strips_taken_where_the_geometry_allows(cluster):
+    """The 3x3 'same' conv on a 2x2 grid takes the strip form on every rank; a padding-0
+    conv (unequal extensions at the edges) keeps the copy on some."""
+    def used(case):
+        n, *args = case
+        return cluster.run(n, _plans_with_strips, *args)
+
+    assert all(all(u) for u in used(CONV_CASES[0]))
+    assert not all(all(u) for u in used(CONV_CASES[2]))
 
 
 GROUPED_CASES = [

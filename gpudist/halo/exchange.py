@@ -113,6 +113,18 @@ class HaloExchange(Primitive):
         """This worker's :class:`HaloPlan` for a tensor of ``spec`` (padding, boxes)."""
         return self.plan(spec).local
 
+    def exchange_in_place(self, W: torch.Tensor, plan: Plan, adjoint: bool = False) -> None:
+        """H (or H*) alone on a working buffer the caller filled, counted as one call of this
+        operator: for layers that fill only what the exchange reads (see
+        :class:`gpudist.nn.conv_strips.BoundaryStrips`)."""
+        hp: HaloPlan = plan.local
+        if adjoint:
+            with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
+                hp.exchange_adjoint_(W)
+        else:
+            with self.numbered(plan):
+                hp.exchange_(W)
+
     # -- the two directions ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         hp: HaloPlan = plan.local

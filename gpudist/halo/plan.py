@@ -310,15 +310,23 @@ class HaloPlan:
         return {k: (s.data_ptr(), r.data_ptr()) for k, (s, r) in self._bufs.items()}
 
 
-def _slabs(shape: Sequence[int], box: Box) -> list[Box]:
-    """Disjoint boxes covering ``shape`` minus ``box`` (at most two per dimension)."""
-    out = []
-    inner = [(0, n) for n in shape]
-    for a, (lo, hi) in enumerate(box):
-        if lo > 0:
-            out.append(tuple(inner[:a]) + ((0, lo),) + tuple((0, n) for n in shape[a + 1:]))
-        if hi < shape[a]:
-            out.append(tuple(inner[:a]) + ((hi, shape[a]),) +
-                       tuple((0, n) for n in shape[a + 1:]))
-        inner[a] = (lo, hi)
+def box_minus(box: Box, cut: Box) -> list[Box]:
+    """Disjoint boxes covering ``box`` minus ``cut`` (at most two per dimension; those of
+    dimension ``a`` span ``box`` in later dimensions and ``cut`` in earlier ones)."""
+    if not numel(box):
+        return []
+    if any(max(a, c) >= min(b, e) for (a, b), (c, e) in zip(box, cut)):
+        return [box]
+    out, rest = [], list(box)
+    for i, ((a, b), (c, e)) in enumerate(zip(box, cut)):
+        if a < c:
+            out.append(tuple(rest[:i]) + ((a, c),) + tuple(rest[i + 1:]))
+        if e < b:
+            out.append(tuple(rest[:i]) + ((e, b),) + tuple(rest[i + 1:]))
+        rest[i] = (max(a, c), min(b, e))
     return out
+
+
+def _slabs(shape: Sequence[int], box: Box) -> list[Box]:
+    """Disjoint boxes covering ``shape`` minus ``box``."""
+    return box_minus(tuple((0, n) for n in shape), box)

@@ -33,6 +33,7 @@ from ..primitives import Broadcast, Plan, SumReduce
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ._layer import DistributedModule, ShardedParameters, per_dim
 from ._params import block, connect, parameter
+from .conv_strips import BoundaryStrips, conv_with_strips
 
 _CONV = {1: (F.conv1d, torch.nn.Conv1d), 2: (F.conv2d, torch.nn.Conv2d),
          3: (F.conv3d, torch.nn.Conv3d)}
@@ -53,6 +54,7 @@ class _ConvPlan:
     pads: tuple[int, ...]
     empty_out: bool
     groups: tuple[torch.Tensor, torch.Tensor] | None = None
+    strips: BoundaryStrips | None = None  # the local step without the block copy
 
 
 class DistributedConvNd(ShardedParameters, DistributedModule):
@@ -69,6 +71,13 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
     """
 
     spatial: int = 2
+    #: compute the local conv as conv(block) + boundary strips instead of copying the block
+    #: into the halo buffer (where the geometry allows; see :mod:`gpudist.nn.conv_strips`).
+    #: Off by default: on CPU it measured no faster (the copy saved in the forward is lost
+    #: again in the backward, where torch's conv over the padded buffer is faster than
+    #: over the block with ``padding``; ``python -m bench layers --layers conv2d
+    #: conv2d_copy``); untested on GPUs, where the copy costs relatively more.
+    boundary_strips: bool = False
 
     def __init__(self, P_x: Partition, in_channels: int, out_channels: int,
                  kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
@@ -218,9 +227,13 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         out = TensorSpec(self.P_y, y, dt, dev)
         pads = tuple(lo for lo, _ in h_plan.local.pads[2:]) if h_plan is not None else (0,) * n
         empty = self.P_w.active and 0 in yspec.local_shape
+        strips = None
+        if h_plan is not None and not empty:
+            strips = BoundaryStrips.make(h_plan.local, self.k, self.s, self.d, pads,
+                                         yspec.local_shape)
         return _ConvPlan(out, x_plan, h_plan, self.w_bcast.plan(wspec), b_plan,
                          self.y_reduce.plan(yspec), x_slice, pads, empty,
-                         self._group_map(yspec, x5) if self.grouped_split else None)
+                         self._group_map(yspec, x5) if self.grouped_split else None, strips)
 
     def _group_map(self, yspec: TensorSpec, x5: TensorSpec):
         """(column index into the grouped weight, mask) of this worker's dense
@@ -246,7 +259,8 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         b = self.b_bcast.apply(self.bias, plan.b_bcast) if self.b_bcast is not None else None
         if self.P_w.active:
             xs = x5.squeeze(1)
-            xh = self.halo.apply(xs, plan.halo)
+            strips = plan.strips if self.boundary_strips else None
+            xh = xs if strips is not None else self.halo.apply(xs, plan.halo)
             bias_here = self.P_wb.active
             if plan.empty_out:  # this worker has no outputs: keep the graph, skip the op
                 y = connect(xh.new_zeros(plan.y_reduce.spec.local_shape), xh, w, b)
@@ -257,8 +271,12 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
                     rows = torch.arange(w.shape[0], device=w.device)[:, None]
                     mask = ok.reshape(ok.shape + (1,) * self.spatial).to(w.dtype)
                     w, groups = w[rows, col] * mask, 1
-                y = _CONV[self.spatial][0](xh, w, b if bias_here else None, self.s,
-                                           plan.pads, self.d, groups)
+                bh = b if bias_here else None
+                if strips is not None:
+                    y = conv_with_strips(self.halo, plan.halo, strips, xs, w, bh, self.s,
+                                         self.d, groups)
+                else:
+                    y = _CONV[self.spatial][0](xh, w, bh, self.s, plan.pads, self.d, groups)
                 if b is not None and not bias_here:
                     y = connect(y, b)
         else:

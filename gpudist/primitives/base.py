@@ -182,17 +182,23 @@ class Primitive(torch.nn.Module):
             return _LinearOp.apply(self, plan, local)
         return self.run_forward(local, plan)  # no graph to record: F alone
 
+    def numbered(self, plan: Plan, adjoint: bool = False):
+        """``with op.numbered(plan)``: one call of F (or F*) as the control plane counts it
+        (every member of the group counts the same calls)."""
+        if adjoint:
+            return self.world.control.op(self.participants, self._adj_label,
+                                         plan.fingerprint + 1, self.collective)
+        return self.world.control.op(self.participants, self._fwd_label, plan.fingerprint,
+                                     self.collective)
+
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F on a block, numbered for the control plane (both paths of :meth:`apply`)."""
-        with self.world.control.op(self.participants, self._fwd_label, plan.fingerprint,
-                                   self.collective):
+        with self.numbered(plan):
             return self.forward(x, plan)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F* on a gradient block, numbered and inside the failure scope (autograd's path)."""
-        c = self.world.control
-        with c.scope(self._adj_scope), c.op(self.participants, self._adj_label,
-                                            plan.fingerprint + 1, self.collective):
+        with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
             return self.adjoint(dy, plan)
 
     @property

@@ -1,0 +1,198 @@
+"""A distributed convolution's local step without copying the block into the halo buffer.
+
+With halos ``h`` around the block ``x`` (and zero padding), linearity splits the local conv:
+
+    conv([h | x | h]) = conv(x, padding=E)  +  conv([h | 0 | h])
+
+where ``E`` is the halo width plus the padding (equal on both sides of each dimension, else
+this form does not apply). The first term is torch's conv on the block as it is; the second
+is nonzero only near the block's boundary and is computed on thin strips, one per face.
+Only the block's boundary shell (what the neighbours need) is copied into the exchange's
+working buffer. Adjoint (hand-written): the conv adjoints give the block's gradient and the
+strips' gradients; the strips' halo parts go back through H* and are added into the shell.
+
+:class:`BoundaryStrips` is the plan (pure geometry, made once per input spec);
+:func:`conv_with_strips` runs it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..halo import HaloExchange
+from ..halo.plan import Box, HaloPlan, box_minus, numel, slices
+from ..primitives import Plan
+
+_CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
+         3: torch.nn.functional.conv3d}
+
+
+@dataclass(frozen=True)
+class _Strip:
+    """One face: the strip buffer's shape, where the halo slab goes in it (``dst``) and
+    comes from in the working buffer (``src``), the strip conv's padding and the output
+    range it corrects (``out``, along tensor dim ``dim``)."""
+
+    dim: int
+    shape: tuple[int, ...]
+    dst: Box
+    src: Box
+    padding: tuple[int, ...]
+    out: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BoundaryStrips:
+    """Geometry of the split for one worker and one input spec (see the module docstring):
+    ``padding`` of the block's conv, the ``shell`` boxes (working buffer, block) the
+    neighbours read, the ``halo`` boxes of the working buffer, and the strips."""
+
+    padding: tuple[int, ...]
+    shell: tuple[tuple[Box, Box], ...]
+    halo: tuple[Box, ...]
+    strips: tuple[_Strip, ...]
+
+    @classmethod
+    def make(cls, hp: HaloPlan, kernel: Sequence[int], stride: Sequence[int],
+             dilation: Sequence[int], pads: Sequence[int], out_shape: Sequence[int]
+             ) -> BoundaryStrips | None:
+        """The split for halo plan ``hp`` of an (N, C, spatial...) tensor, or None where it
+        does not apply (trimmed blocks, unequal extensions, nothing to exchange)."""
+        if hp.passthrough or hp.only_padding or not hp.steps:
+            return None
+        ob, bb = hp.out_box, hp.bulk_box
+        if tuple((0, n) for n in hp.work_shape) != ob or ob[:2] != bb[:2]:
+            return None
+        ext = []
+        for a, ((o0, o1), (b0, b1), p) in enumerate(zip(ob[2:], bb[2:], pads)):
+            lo, hi = b0 - o0 + p, o1 - b1 + p
+            total = lo + (b1 - b0) + hi
+            k, s, d = kernel[a], stride[a], dilation[a]
+            if lo != hi or o0 > b0 or b1 > o1 or (total - d * (k - 1) - 1) // s + 1 != \
+                    out_shape[2 + a]:
+                return None
+            ext.append(lo)
+        bulk0 = [b0 for b0, _ in bb]
+        shell: list[Box] = []  # disjoint: the adjoint adds each entry once
+        for st in hp.steps:
+            for box in st.send:
+                pieces = [tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(box, bb))]
+                for seen in shell:
+                    pieces = [q for piece in pieces for q in box_minus(piece, seen)]
+                shell += [q for q in pieces if numel(q)]
+        # the halo faces; the strips below cut the same faces (earlier dims: bulk only)
+        halo, strips = [b for b in box_minus(ob, bb) if numel(b)], []
+        n = len(ext)
+        for a in range(n):
+            t = 2 + a
+            k, s, d, p, E = kernel[a], stride[a], dilation[a], pads[a], ext[a]
+            (o0, o1), (b0, b1) = ob[t], bb[t]
+            span_all = E + (b1 - b0) + E
+            m = out_shape[t]
+
+            def other(src_lo: int, src_hi: int, dst_lo: int, length: int,
+                      out: tuple[int, int], t: int = t) -> None:
+                if src_hi <= src_lo:
+                    return
+                src, dst, shape = [], [], []
+                for u in range(len(ob)):
+                    if u == t:
+                        src.append((src_lo, src_hi))
+                        dst.append((dst_lo, dst_lo + src_hi - src_lo))
+                        shape.append(length)
+                    elif u < 2:
+                        src.append(bb[u])
+                        dst.append(bb[u])
+                        shape.append(bb[u][1])
+                    else:  # earlier dims: the bulk rows only (their faces hold the rest)
+                        lo_, hi_ = bb[u] if u < t else ob[u]
+                        src.append((lo_, hi_))
+                        dst.append((lo_ - ob[u][0], hi_ - ob[u][0]))
+                        shape.append(ob[u][1] - ob[u][0])
+                pad = tuple(0 if u == t else pads[u - 2] for u in range(2, len(ob)))
+                strips.append(_Strip(t, tuple(shape), tuple(dst), tuple(src), pad, out))
+
+            # left face: outputs [0, c) read it; the strip spans their windows
+            c = min(m, math.ceil(E / s))
+            if c > 0 and b0 > o0:
+                span = (c - 1) * s + d * (k - 1) + 1
+                top = min(E, span) - p  # slab positions the strip holds (after the pad)
+                other(o0, o0 + max(0, top), p, span, (0, c))
+            # right face: outputs [i0, m) read it
+            i0 = max(0, math.ceil((E + (b1 - b0) - d * (k - 1)) / s))
+            if i0 < m and o1 > b1:
+                u0 = i0 * s
+                first = max(E + (b1 - b0), u0)  # first slab position the strip holds
+                other(b1 + first - (E + (b1 - b0)), o1, first - u0, span_all - u0, (i0, m))
+        at_x = tuple((w, tuple((lo - z, hi - z) for (lo, hi), z in zip(w, bulk0)))
+                     for w in shell)
+        return cls(tuple(ext), at_x, tuple(halo), tuple(strips))
+
+
+def conv_with_strips(H: HaloExchange, plan: Plan, sp: BoundaryStrips, x: torch.Tensor,
+                     w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int],
+                     dilation: Sequence[int], groups: int) -> torch.Tensor:
+    """The local conv of a halo-exchanged block, by the split (see the module docstring)."""
+    return _StripConv.apply(H, plan, sp, (tuple(stride), tuple(dilation), groups), x, w, b)
+
+
+class _StripConv(torch.autograd.Function):
+    """Forward: shell into the working buffer, H, conv of the block, strip corrections.
+    Backward: conv adjoints, the strips' halo gradients through H*, added into the shell."""
+
+    @staticmethod
+    def forward(ctx, H, plan, sp, conv, x, w, b):  # type: ignore[override]
+        hp: HaloPlan = plan.local
+        stride, dilation, groups = conv
+        fn = _CONV[x.dim() - 2]
+        W = H.buffers.get("work", hp.work_shape, x.dtype, x.device)
+        if hp.pad_slabs:
+            hp.fill_padding(W)
+        for wb, xb in sp.shell:
+            W[slices(wb)].copy_(x[slices(xb)])
+        H.exchange_in_place(W, plan)
+        y = fn(x, w, b, stride, sp.padding, dilation, groups)
+        strips = []
+        for i, st in enumerate(sp.strips):
+            S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,
+                              init=torch.Tensor.zero_)  # zero but for the slab, always
+            S[slices(st.dst)].copy_(W[slices(st.src)])
+            y.narrow(st.dim, st.out[0], st.out[1] - st.out[0]).add_(
+                fn(S, w, None, stride, st.padding, dilation, groups))
+            strips.append(S)
+        ctx.save_for_backward(x, w, *strips)
+        ctx.setup = (H, plan, sp, conv, b is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # type: ignore[override]
+        x, w, *strips = ctx.saved_tensors
+        H, plan, sp, (stride, dilation, groups), has_b = ctx.setup
+        hp: HaloPlan = plan.local
+        need_x, need_w, need_b = ctx.needs_input_grad[4:7]
+        need_b = need_b and has_b
+        zeros = [0] * (x.dim() - 2)
+        back = torch.ops.aten.convolution_backward
+        gx, gw, gb = back(gy, x, w, [w.shape[0]] if has_b else None, stride, sp.padding,
+                          dilation, False, zeros, groups, [need_x, need_w, need_b])
+        if need_x:  # H* runs where the input needs a gradient, as the primitive's would
+            G = H.buffers.get("grad", hp.work_shape, gy.dtype, gy.device)
+            for box in sp.halo + tuple(wb for wb, _ in sp.shell):
+                G[slices(box)].zero_()
+        for st, S in zip(sp.strips, strips):
+            g = gy.narrow(st.dim, st.out[0], st.out[1] - st.out[0]).contiguous()
+            gS, gwS, _ = back(g, S, w, None, stride, st.padding, dilation, False, zeros,
+                              groups, [need_x, need_w, False])
+            if need_x:
+                G[slices(st.src)].copy_(gS[slices(st.dst)])
+            if need_w:
+                gw += gwS
+        if need_x:
+            H.exchange_in_place(G, plan, adjoint=True)
+            for wb, xb in sp.shell:
+                gx[slices(xb)] += G[slices(wb)]
+        return None, None, None, None, gx, gw, gb
