@@ -94,8 +94,10 @@ class BoundaryStrips:
             span_all = E + (b1 - b0) + E
             m = out_shape[t]
 
-            def other(src_lo: int, src_hi: int, dst_lo: int, length: int,
-                      out: tuple[int, int], t: int = t) -> None:
+            def add_strip(src_lo: int, src_hi: int, dst_lo: int, length: int,
+                          out: tuple[int, int], t: int = t) -> None:
+                """A strip of ``length`` along dim ``t`` holding the slab ``[src_lo, src_hi)``
+                of the working buffer at ``dst_lo``, correcting outputs ``out``."""
                 if src_hi <= src_lo:
                     return
                 src, dst, shape = [], [], []
@@ -108,7 +110,7 @@ class BoundaryStrips:
                         src.append(bb[u])
                         dst.append(bb[u])
                         shape.append(bb[u][1])
-                    else:  # earlier dims: the bulk rows only (their faces hold the rest)
+                    else:  # earlier spatial dims: bulk only (their own faces hold the rest)
                         lo_, hi_ = bb[u] if u < t else ob[u]
                         src.append((lo_, hi_))
                         dst.append((lo_ - ob[u][0], hi_ - ob[u][0]))
@@ -121,13 +123,14 @@ class BoundaryStrips:
             if c > 0 and b0 > o0:
                 span = (c - 1) * s + d * (k - 1) + 1
                 top = min(E, span) - p  # slab positions the strip holds (after the pad)
-                other(o0, o0 + max(0, top), p, span, (0, c))
+                add_strip(o0, o0 + max(0, top), p, span, (0, c))
             # right face: outputs [i0, m) read it
             i0 = max(0, math.ceil((E + (b1 - b0) - d * (k - 1)) / s))
             if i0 < m and o1 > b1:
                 u0 = i0 * s
                 first = max(E + (b1 - b0), u0)  # first slab position the strip holds
-                other(b1 + first - (E + (b1 - b0)), o1, first - u0, span_all - u0, (i0, m))
+                add_strip(b1 + first - (E + (b1 - b0)), o1, first - u0, span_all - u0,
+                          (i0, m))
         at_x = tuple((w, tuple((lo - z, hi - z) for (lo, hi), z in zip(w, bulk0)))
                      for w in shell)
         return cls(tuple(ext), at_x, tuple(halo), tuple(strips))

@@ -75,16 +75,21 @@ class _P2PWaiter:
             p = self.q.get()
             if p is None:
                 return
+            w = None
             try:
                 for w in p.works:
                     w.wait()
             except BaseException as e:  # handed to the caller
                 p.error = e
+            p.works = w = None  # hold no backend work past its wait (the group may go next)
             p.event.set()
+            p = None
 
     def stop(self) -> None:
+        """End the thread and wait for it, so no backend object outlives the group here."""
         if self.thread is not None:
             self.q.put(None)
+            self.thread.join(timeout=5.0)
             self.thread = None
 
 
