@@ -221,6 +221,24 @@ def test_upsample_adjoint(cluster):
         assert per_case[0] < 1e-13, per_case
 
 
+def _unsplit_nearest():
+    """No spatial split, nearest, scale 4/3 on length 2: torch's forward reads entry 0 twice,
+    its backward hands back the identity; the layer's gradient must be the adjoint."""
+    P = Partition([0], (1, 1, 1))
+    layer = gnn.DistributedUpsample(P, scale_factor=4 / 3, mode="nearest")
+    x = torch.tensor([[[1.0, 2.0]]], dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.tensor([[[10.0, 100.0]]], dtype=torch.float64))
+    return y.detach().tolist(), x.grad.tolist(), adjoint_mismatch(layer, x.detach(), seed=4)
+
+
+def test_nearest_gradient_is_the_adjoint_without_a_spatial_split(cluster):
+    y, dx, mismatch = cluster.run(1, _unsplit_nearest)[0]
+    assert y == [[[1.0, 1.0]]]
+    assert dx == [[[110.0, 0.0]]]
+    assert mismatch < 1e-13
+
+
 def _two_shapes():
     """One layer, two global input shapes in a row (a new plan per shape), then the first
     again (the cached plan)."""

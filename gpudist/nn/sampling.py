@@ -330,7 +330,8 @@ class DistributedUpsample(DistributedModule):
     ``ValueError`` naming the option at construction, on every rank.
 
     Without a spatial split (``P_x`` = (P_b, P_c, 1, ..)) every block holds whole spatial
-    slices and the layer calls ``F.interpolate`` on it (torch's kernels and gradient).
+    slices and the layer calls ``F.interpolate`` on it (torch's kernels and gradient),
+    except in the nearest modes, whose torch gradient is not always the adjoint.
     """
 
     def __init__(self, P_x: Partition, size: int | Sequence[int] | None = None,
@@ -380,8 +381,11 @@ class DistributedUpsample(DistributedModule):
         self.setup(P_x, P_x.ranks)
         self.geo_cache = LRU(self.world.cache_size)
         self.halo = HaloExchange(P_x, geometry=self._geometry)
-        # no spatial split: every block holds whole spatial slices, torch's op is exact
-        self.local_torch = all(s == 1 for s in P_x.shape[2:])
+        # no spatial split: every block holds whole spatial slices, torch's op is exact --
+        # but not torch's nearest backward, which is not always the adjoint of its forward
+        # (the taps path's is)
+        self.local_torch = all(s == 1 for s in P_x.shape[2:]) and \
+            mode not in ("nearest", "nearest-exact")
 
     def extra_repr(self) -> str:
         s = f"size={self.size}" if self.size is not None else \
