@@ -85,15 +85,18 @@ def test_batchnorm_eval_without_running_stats(cluster):
     assert all(v < TOL for r in res for v in r.values()) and any(res)
 
 
-def _bn_single_value():
+def _bn_single_value(eval_without_stats: bool = False):
     P = Partition.grid((2, 1, 1, 1))
-    layer = gnn.DistributedBatchNorm(P, 3)
+    layer = gnn.DistributedBatchNorm(P, 3, track_running_stats=not eval_without_stats)
+    if eval_without_stats:  # batch statistics in eval mode too: torch refuses the same
+        layer.eval()
     layer(DistTensor.from_local(torch.randn(1, 3, 1, 1) if P.index == 0 else
                                 torch.zeros(0, 3, 1, 1), P, (1, 3, 1, 1)))
 
 
-def test_batchnorm_one_value_per_channel_is_an_error(cluster):
-    errs = cluster.run(2, _bn_single_value, expect_error=True)
+@pytest.mark.parametrize("eval_without_stats", [False, True])
+def test_batchnorm_one_value_per_channel_is_an_error(cluster, eval_without_stats):
+    errs = cluster.run(2, _bn_single_value, eval_without_stats, expect_error=True)
     assert all(e is not None and "Expected more than 1 value per channel" in e.message
                for e in errs), errs
 

@@ -104,7 +104,9 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         return _NormPlan(spec, self.stats.plan(st), params, count)
 
     def check_call(self, plan: _NormPlan) -> None:
-        if self.training and plan.count <= 1:
+        # like torch: wherever batch statistics are used (also in eval mode without
+        # running statistics), one value per channel is refused
+        if (self.training or not self.track_running_stats) and plan.count <= 1:
             raise raised_everywhere(ValueError(
                 f"Expected more than 1 value per channel when training, got input size "
                 f"{list(plan.out.global_shape)}"))
