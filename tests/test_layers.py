@@ -65,6 +65,9 @@ CONV_CASES = [
     (6, 2, (1, 1, 1, 3), [3, 4, 5], (2, 2, 6, 14), 2, 3, (3, 2), (1, 2), (1, 0), 1),
     (3, 1, (1, 1, 3), [0, 1, 2], (2, 3, 20), 3, 2, 4, 3, 1, 1),
     (4, 3, (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 7, 5, 9), 2, 2, 3, 1, 1, 1),
+    # empty blocks (length 1 over 4 workers) beside a worker with halos: the fuzz test's
+    # seed 28 found the strip form passing an empty block to torch's conv
+    (6, 1, (1, 1, 4), [1, 3, 2, 4], (2, 4, 1), 4, 3, 2, 2, 2, 1),
 ]
 
 

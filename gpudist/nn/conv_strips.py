@@ -67,6 +67,8 @@ class BoundaryStrips:
         ob, bb = hp.out_box, hp.bulk_box
         if tuple((0, n) for n in hp.work_shape) != ob or ob[:2] != bb[:2]:
             return None
+        if any(b1 <= b0 for b0, b1 in bb[2:]):  # an empty block: torch's conv refuses it
+            return None
         ext = []
         for a, ((o0, o1), (b0, b1), p) in enumerate(zip(ob[2:], bb[2:], pads)):
             lo, hi = b0 - o0 + p, o1 - b1 + p
