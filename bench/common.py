@@ -155,8 +155,13 @@ class Timer:
                 fn()
                 self.sync()
         raw: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(self.repeats):
-            for k, fn in fns.items():
+        names = list(fns)
+        for i in range(self.repeats):
+            # each repeat starts with a different case: the first one after a barrier and
+            # the previous case's buffers measured 20-40 us slower (1 MiB, MPI), an order
+            # effect that a fixed order would charge to one case only
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                fn = fns[k]
                 self.barrier()
                 t0 = time.perf_counter()
                 fn()

@@ -13,6 +13,8 @@ avoid). Layers (``--layers``):
 * ``avgpool2d``    DistributedAvgPool2d 2x2, stride 2, spatial partition
 * ``batchnorm2d``  DistributedBatchNorm (training mode), spatial partition
 * ``upsample2d``   DistributedUpsample bilinear x2, spatial partition (if available)
+* ``upsample2d_crop`` the same resampling the halo-extended block and cropping it (the
+                   path before ``edge_split``)
 * ``linear``       DistributedLinear with P_w (2,N/2), x (1,N/2), y (1,2)
 
 Peak memory per worker: CUDA max allocated on GPU, ``ru_maxrss`` (whole-process peak,
@@ -28,7 +30,7 @@ from collections.abc import Callable
 from .common import Timer, add_common_args, progress, run_suite
 
 LAYERS = ["conv2d", "conv2d_strips", "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d",
-          "upsample2d", "linear"]
+          "upsample2d", "upsample2d_crop", "linear"]
 
 
 def grid2(n: int) -> tuple[int, int]:
@@ -97,11 +99,10 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
         layer = gnn.DistributedBatchNorm(P, c, device=dev)
         ref = torch.nn.BatchNorm2d(c, device=dev)
         return layer, x, ref, (G if whole else x.local), f"1x1x{ph}x{pw}"
-    if name == "upsample2d":
-        cls = getattr(gnn, "DistributedUpsample", None)
-        if cls is None:
-            return None
-        layer = cls(P, scale_factor=2, mode="bilinear", align_corners=False)
+    if name in ("upsample2d", "upsample2d_crop"):
+        layer = gnn.DistributedUpsample(P, scale_factor=2, mode="bilinear",
+                                        align_corners=False)
+        layer.edge_split = name == "upsample2d"
 
         def rfn(t):
             return F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=False)

@@ -71,9 +71,17 @@ def is_everywhere(exc: BaseException) -> bool:
         exc, (RemoteError, WorldAborted))
 
 
+#: errors that say the code itself went wrong, not the input: a plan is made from the spec
+#: alone, but a bug may still hit some ranks only (an inactive one, say), so these are
+#: left as this rank's own and posted to the world (peers raise instead of hanging)
+_BUGS = (AttributeError, TypeError, KeyError, IndexError, NameError, AssertionError,
+         ZeroDivisionError)
+
+
 def planning_error(exc: BaseException) -> BaseException:
     """Mark an error raised while planning from a spec (shared by every rank, so every
-    rank raises it) -- unless it is a communication failure, which is this rank's own."""
-    if not isinstance(exc, (CommTimeout, RemoteError, WorldAborted, KeyboardInterrupt)):
+    rank raises it) -- unless it is a communication failure or a bug, this rank's own."""
+    if not isinstance(exc, (CommTimeout, RemoteError, WorldAborted, KeyboardInterrupt,
+                            *_BUGS)):
         raised_everywhere(exc)
     return exc

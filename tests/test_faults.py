@@ -66,6 +66,27 @@ def test_local_error_reaches_every_rank(cluster, backend):
     assert secs < FAST, secs
 
 
+def _planning_bug():
+    """A bug in planning that hits rank 1 only (plans are pure, but code has bugs): rank 1
+    raises it, its peers are told instead of waiting for it."""
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    if gpudist.world().rank == 1:
+        conv.make_plan = lambda spec: spec.no_such_attribute
+    x = _x(P)
+    conv(x)
+    conv(x)
+
+
+def test_planning_bug_on_one_rank_reaches_every_rank(cluster):
+    errs, secs = _run_timed(cluster, 3, _planning_bug)
+    assert errs[1] is not None and errs[1].type == "AttributeError", errs[1]
+    for r in (0, 2):
+        assert errs[r] is not None and errs[r].type == "RemoteError", errs[r]
+        assert "rank 1 failed with AttributeError" in errs[r].message, errs[r].message
+    assert secs < FAST, secs
+
+
 def _catch_and_go_on():
     """Rank 1 catches its gpudist error and carries on: its next call fails at once (the
     world is aborted), and its peers are told who failed."""

@@ -49,6 +49,7 @@ from ..halo import HaloExchange, HaloGeometry
 from ..partition import Partition
 from ..spec import TensorSpec
 from ._layer import DistributedModule, per_dim
+from .sampling_edges import EdgePlan, upsample_edges
 
 # mode -> the spatial ranks it supports (torch's rule)
 MODES: dict[str, tuple[int, ...]] = {
@@ -252,14 +253,22 @@ class _Plan:
         self.out = TensorSpec(P, self.output_shape, spec.dtype, spec.device_type)
         geos, all_taps = layer.dims(spec)
         self.taps: list[tuple[Taps, tuple[int, int], tuple[int, int]]] = []
+        bulks = []
         if P.active:
             for a, taps in enumerate(all_taps):
                 me = geos[a + 2].worker(P.coords[a + 2])
                 self.taps.append((taps, me.outputs, me.needed))
+                bulks.append(me.bulk)
         self.halo = layer.halo.plan(spec) if P.active else None
         self.empty_out = P.active and 0 in self.out.local_shape
         self._ops: dict[tuple, list[_DimOp]] = {}
         self.fast = self._fast_path(layer, g, sizes)
+        # the fast path without resampling the halos (outputs aligned with the blocks)
+        self.edges = None
+        if (self.fast is not None and self.halo is not None and not self.empty_out
+                and layer.edge_split):
+            self.edges = EdgePlan.make(self.halo.local, [int(s) for s in self.fast[0]],
+                                       [o for _, o, _ in self.taps], bulks, g[2:])
 
     def _fast_path(self, layer: DistributedUpsample, g: tuple[int, ...],
                    sizes: tuple[int, ...]) -> tuple[tuple[float, ...], tuple] | None:
@@ -333,6 +342,12 @@ class DistributedUpsample(DistributedModule):
     slices and the layer calls ``F.interpolate`` on it (torch's kernels and gradient),
     except in the nearest modes, whose torch gradient is not always the adjoint.
     """
+
+    #: linear modes by integer scales, outputs aligned with the blocks: torch's kernel on
+    #: the block and the edge outputs from thin strips of the halo
+    #: (:mod:`gpudist.nn.sampling_edges`) instead of resampling the extended block and
+    #: cropping it (a copy of the output; False takes that path)
+    edge_split: bool = True
 
     def __init__(self, P_x: Partition, size: int | Sequence[int] | None = None,
                  scale_factor: float | Sequence[float] | None = None, mode: str = "nearest",
@@ -472,6 +487,8 @@ class DistributedUpsample(DistributedModule):
                 return x.new_zeros(plan.out.local_shape) + x.sum() * 0
             return F.interpolate(x, self.size, self.scale_factor, self.mode, self._align_arg,
                                  self.recompute_scale_factor)
+        if plan.edges is not None:  # torch's kernel on the block, the edges from strips
+            return upsample_edges(self.halo, plan.halo, plan.edges, x)
         y = self.halo.apply(x, plan.halo)
         if plan.empty_out:
             return y.new_zeros(plan.out.local_shape) + y.sum() * 0
