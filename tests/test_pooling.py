@@ -236,3 +236,76 @@ def _padding_only_windows():
 def test_max_pool_windows_of_padding_only(cluster):
     res = cluster.run(3, _padding_only_windows)
     assert [ok for active, ok in res if active] == [True], res
+
+
+# max pooling where the block's own grid agrees: torch's pool of the block plus edge strips
+# (gpudist.nn.pooling_edges). "edge": True where every active worker takes the split, None
+# where some do, False where none can (torch's padding limit, with dilation); ``ties`` rounds the input so windows hold equal maxima (torch keeps the first)
+EDGE_CASES = [
+    ("edge-2d-3s2p1", (1, 1, 2, 2), [0, 1, 2, 3], (2, 3, 16, 12),
+     dict(kernel_size=3, stride=2, padding=1), True, False),
+    ("edge-2d-ties", (1, 1, 2, 2), [0, 1, 2, 3], (2, 2, 16, 12),
+     dict(kernel_size=3, stride=2, padding=1), True, True),
+    ("edge-2d-5s1p2", (1, 1, 1, 4), [0, 1, 2, 3], (1, 2, 7, 24),
+     dict(kernel_size=5, stride=1, padding=2), True, False),
+    ("edge-2d-dil", (1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 20, 18),
+     dict(kernel_size=3, stride=1, padding=1, dilation=2), False, False),
+    ("edge-2d-uneven", (1, 1, 3, 1), [1, 2, 3], (2, 2, 17, 10),
+     dict(kernel_size=3, stride=2, padding=1), True, False),
+    ("edge-2d-ceil", (1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 15, 13),
+     dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), None, False),
+    ("edge-3d", (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 8, 6, 12),
+     dict(kernel_size=3, stride=2, padding=1), True, False),
+    ("edge-2d-batch", (2, 1, 1, 2), [0, 1, 2, 3], (2, 2, 8, 12),
+     dict(kernel_size=3, stride=2, padding=1), True, False),
+]
+
+
+def _edge_pool_cases(cases):
+    out = []
+    for name, pshape, ranks, gshape, opts, _, ties in cases:
+        P = Partition(ranks, pshape)
+        nd = len(pshape) - 2
+        r = {}
+        for split in (True, False):
+            layer, seq = _layers("max", nd, P, opts)
+            layer.edge_split = split
+            G = global_tensor(gshape, seed=1)
+            if ties:
+                G = (G * 2).round()
+            x = block_of(G, P).requires_grad_(True)
+            y = layer(x)
+            Gs = G.clone().requires_grad_(True)
+            Y = seq(Gs)
+            dY = global_tensor(Y.shape, seed=2)
+            y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
+            Y.backward(dY)
+            root = Partition([P.ranks[0]], (1,) * P.dim)
+            yg = gather(y.detach(), P, Y.shape, root)[0]
+            dxg = gather(x.grad if x.grad is not None else torch.zeros_like(x), P, G.shape,
+                         root)[0]
+            if root.active:
+                r[f"y-{split}"] = _maxerr(yg, Y.detach())
+                r[f"dx-{split}"] = _maxerr(dxg, Gs.grad)
+            if split:
+                plans = list(layer._plans.values())
+                r["edge"] = P.active and len(plans) == 1 and plans[0].edges is not None
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
+def test_max_pool_edge_split_equals_torch(cluster, backend):
+    """The edge split (and the whole-buffer path) equal torch, forward and gradient (ties
+    included); workers whose grids agree take it, the others pool the whole buffer."""
+    res = cluster.run(WORLD, _edge_pool_cases, EDGE_CASES, backend=backend)
+    for i, case in enumerate(EDGE_CASES):
+        per_rank = [r[i] for r in res]
+        edge = [per_rank[rank]["edge"] for rank in case[2]]
+        want = {True: {True}, None: {True, False}, False: {False}}[case[5]]
+        assert set(edge) == want, (case[0], edge)
+        compared = [r for r in per_rank if "y-True" in r]
+        assert len(compared) == 1, case[0]
+        assert all(v < TOL for k, v in compared[0].items() if k != "edge"), (case[0],
+                                                                          compared[0])

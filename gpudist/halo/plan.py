@@ -327,6 +327,25 @@ def box_minus(box: Box, cut: Box) -> list[Box]:
     return out
 
 
+def read_shell(hp: HaloPlan, reads: Sequence[Box]) -> tuple[tuple[tuple[Box, Box], ...],
+                                                          tuple[Box, ...]]:
+    """For a layer that fills only part of the working buffer: the bulk entries that
+    ``reads`` (working-buffer boxes the layer reads after the exchange) and the neighbours
+    read, as disjoint (working buffer, block) box pairs; and the boxes an adjoint zeroes in
+    a gradient buffer before writing into ``reads`` (the halo shell and those entries)."""
+    bb = hp.bulk_box
+    shell: list[Box] = []
+    for box in list(reads) + [b for st in hp.steps for b in st.send]:
+        pieces = [tuple((max(p, q), min(s, v)) for (p, s), (q, v) in zip(box, bb))]
+        for seen in shell:
+            pieces = [x for piece in pieces for x in box_minus(piece, seen)]
+        shell += [x for x in pieces if numel(x)]
+    pairs = tuple((w, tuple((p - z, q - z) for (p, q), (z, _) in zip(w, bb))) for w in shell)
+    full = tuple((0, n) for n in hp.work_shape)
+    zero = tuple(b for b in box_minus(full, bb) if numel(b)) + tuple(shell)
+    return pairs, zero
+
+
 def _slabs(shape: Sequence[int], box: Box) -> list[Box]:
     """Disjoint boxes covering ``shape`` minus ``box``."""
     return box_minus(tuple((0, n) for n in shape), box)

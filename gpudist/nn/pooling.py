@@ -33,6 +33,7 @@ from ..partition import Partition
 from ..primitives import Plan
 from ..spec import TensorSpec
 from ._layer import DistributedModule, per_dim
+from .pooling_edges import PoolEdgePlan, max_pool_edges
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -77,6 +78,7 @@ class _PoolPlan:
     pads: tuple[int, ...]
     empty_out: bool
     divisor: dict
+    edges: PoolEdgePlan | None = None  # max pooling of the block plus edge strips
 
 
 class _DistributedPoolNd(DistributedModule):
@@ -84,6 +86,10 @@ class _DistributedPoolNd(DistributedModule):
 
     spatial = 2
     kind = "max"
+    #: max pooling: torch's pool of the block and the edge outputs from thin strips of the
+    #: halo (:mod:`gpudist.nn.pooling_edges`) where the grids agree, instead of copying the
+    #: block into the halo buffer and pooling that (False takes that path)
+    edge_split: bool = True
 
     def _setup(self, P_x: Partition, kernel_size: IntOrSeq, stride: IntOrSeq | None,
                padding: IntOrSeq, dilation: IntOrSeq, ceil_mode: bool) -> None:
@@ -160,9 +166,16 @@ class _DistributedPoolNd(DistributedModule):
         hp = halo.plan(spec) if self.P_x.active else None
         pads = tuple(lo for lo, _ in hp.local.pads[2:]) if hp is not None else (0,) * n
         empty = self.P_x.active and 0 in out.local_shape
-        return _PoolPlan(out, halo, hp, pads, empty, {})
+        edges = None
+        if self.kind == "max" and halo is self.halo and hp is not None and not empty \
+                and self.edge_split:
+            edges = PoolEdgePlan.make(hp.local, self.k, self.s, self.d, out.local_shape)
+        return _PoolPlan(out, halo, hp, pads, empty, {}, edges)
 
     def run(self, x: torch.Tensor, plan: _PoolPlan) -> torch.Tensor:
+        if plan.edges is not None:  # the block's pool, the edges from strips of the halo
+            return max_pool_edges(plan.halo_op, plan.halo, plan.edges, x, self.k, self.s,
+                                  self.d)
         xh = plan.halo_op.apply(x, plan.halo)
         if plan.empty_out:  # no output here: keep the graph, skip the op
             return xh.new_zeros(plan.out.local_shape) + xh.sum() * 0

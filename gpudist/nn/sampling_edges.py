@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, box_minus, numel, slices
+from ..halo.plan import Box, HaloPlan, numel, read_shell, slices
 from ..primitives import Plan
 
 _MODE = {1: "linear", 2: "bilinear", 3: "trilinear"}
@@ -147,18 +147,8 @@ class EdgePlan:
                                        tuple(b_crop)))
         if not edges:
             return None
-        # the block entries the strips and the neighbours read, as disjoint boxes
-        reads = [e.strip for e in edges] + [b for st in hp.steps for b in st.send]
-        shell: list[Box] = []
-        for box in reads:
-            pieces = [tuple((max(p, q), min(s, v)) for (p, s), (q, v) in zip(box, bb))]
-            for seen in shell:
-                pieces = [x for piece in pieces for x in box_minus(piece, seen)]
-            shell += [x for x in pieces if numel(x)]
-        at_x = tuple((w, tuple((p - z, q - z) for (p, q), (z, _) in zip(w, bb)))
-                     for w in shell)
-        zero = tuple(b for b in box_minus(full, bb) if numel(b)) + tuple(shell)
-        return cls(tuple(float(k) for k in ks), tuple(edges), at_x, zero)
+        shell, zero = read_shell(hp, [e.strip for e in edges])
+        return cls(tuple(float(k) for k in ks), tuple(edges), shell, zero)
 
 
 def upsample_edges(H: HaloExchange, plan: Plan, ep: EdgePlan, x: torch.Tensor
