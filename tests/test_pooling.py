@@ -42,12 +42,17 @@ def _shapes_agree(ok: bool) -> bool:
     return float(t) == 0.0
 
 
-def _equivalence(kind, nd, pshape, ranks, gshape, opts):
+def _equivalence(kind, nd, pshape, ranks, gshape, opts, edge_split=True, ties=False):
     """Forward + input gradient of the distributed layer vs torch's on the global tensor;
-    max errors on the gathering root, shapes everywhere (zero-volume where inactive)."""
+    max errors on the gathering root, shapes everywhere (zero-volume where inactive).
+    ``ties``: the input rounded (equal maxima in windows); "edge": whether this worker
+    took the edge split (max pooling)."""
     P = Partition(ranks, pshape)
     layer, seq = _layers(kind, nd, P, opts)
+    layer.edge_split = edge_split
     G = global_tensor(gshape, seed=1)
+    if ties:
+        G = (G * 2).round()
     x = block_of(G, P).requires_grad_(True)
     y = layer(x)
     Gs = G.clone().requires_grad_(True)
@@ -67,6 +72,8 @@ def _equivalence(kind, nd, pshape, ranks, gshape, opts):
     if root.active:
         out["y"] = _maxerr(yg, Y.detach())
         out["dx"] = _maxerr(dxg, Gs.grad)
+    plans = list(layer._plans.values())
+    out["edge"] = P.active and len(plans) == 1 and getattr(plans[0], "edges", None) is not None
     return out
 
 
@@ -119,6 +126,7 @@ def _check(cases, results):
     for case, per_rank in zip(cases, zip(*results)):
         for r in per_rank:
             assert r.pop("inactive_numel") == 0, case[0]
+            r.pop("edge")
             assert all(v < TOL for v in r.values()), (case[0], r)
             roots += bool(r)
     assert roots == len(cases)  # exactly one rank compared each case
@@ -239,8 +247,9 @@ def test_max_pool_windows_of_padding_only(cluster):
 
 
 # max pooling where the block's own grid agrees: torch's pool of the block plus edge strips
-# (gpudist.nn.pooling_edges). "edge": True where every active worker takes the split, None
-# where some do, False where none can (torch's padding limit, with dilation); ``ties`` rounds the input so windows hold equal maxima (torch keeps the first)
+# (gpudist.nn.pooling_edges). Expected "edge": True where every active worker takes the
+# split, None where some do, False where none can (torch's padding limit, with dilation);
+# ``ties`` rounds the input so windows hold equal maxima (torch keeps the first)
 EDGE_CASES = [
     ("edge-2d-3s2p1", (1, 1, 2, 2), [0, 1, 2, 3], (2, 3, 16, 12),
      dict(kernel_size=3, stride=2, padding=1), True, False),
@@ -263,33 +272,12 @@ EDGE_CASES = [
 
 def _edge_pool_cases(cases):
     out = []
-    for name, pshape, ranks, gshape, opts, _, ties in cases:
-        P = Partition(ranks, pshape)
+    for _, pshape, ranks, gshape, opts, _, ties in cases:
         nd = len(pshape) - 2
         r = {}
         for split in (True, False):
-            layer, seq = _layers("max", nd, P, opts)
-            layer.edge_split = split
-            G = global_tensor(gshape, seed=1)
-            if ties:
-                G = (G * 2).round()
-            x = block_of(G, P).requires_grad_(True)
-            y = layer(x)
-            Gs = G.clone().requires_grad_(True)
-            Y = seq(Gs)
-            dY = global_tensor(Y.shape, seed=2)
-            y.backward(block_of(dY, P) if P.active else zero_volume(y.dim(), like=y))
-            Y.backward(dY)
-            root = Partition([P.ranks[0]], (1,) * P.dim)
-            yg = gather(y.detach(), P, Y.shape, root)[0]
-            dxg = gather(x.grad if x.grad is not None else torch.zeros_like(x), P, G.shape,
-                         root)[0]
-            if root.active:
-                r[f"y-{split}"] = _maxerr(yg, Y.detach())
-                r[f"dx-{split}"] = _maxerr(dxg, Gs.grad)
-            if split:
-                plans = list(layer._plans.values())
-                r["edge"] = P.active and len(plans) == 1 and plans[0].edges is not None
+            res = _equivalence("max", nd, pshape, ranks, gshape, opts, split, ties)
+            r.update({f"{k}-{split}": v for k, v in res.items()})
         out.append(r)
     return out
 
@@ -302,10 +290,12 @@ def test_max_pool_edge_split_equals_torch(cluster, backend):
     res = cluster.run(WORLD, _edge_pool_cases, EDGE_CASES, backend=backend)
     for i, case in enumerate(EDGE_CASES):
         per_rank = [r[i] for r in res]
-        edge = [per_rank[rank]["edge"] for rank in case[2]]
+        edge = [per_rank[rank]["edge-True"] for rank in case[2]]
         want = {True: {True}, None: {True, False}, False: {False}}[case[5]]
         assert set(edge) == want, (case[0], edge)
         compared = [r for r in per_rank if "y-True" in r]
         assert len(compared) == 1, case[0]
-        assert all(v < TOL for k, v in compared[0].items() if k != "edge"), (case[0],
-                                                                          compared[0])
+        assert all(v < TOL for k, v in compared[0].items() if k.startswith(("y-", "dx-"))), \
+            (case[0], compared[0])
+        assert all(r["inactive_numel-True"] == r["inactive_numel-False"] == 0
+                   for r in per_rank), case[0]
