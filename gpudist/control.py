@@ -177,7 +177,6 @@ class Control:
         if done():
             return
         self.waits += 1
-        what = label_text(what)
         total = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         next_abort, next_diag = t0 + ABORT_FIRST_CHECK_S, t0 + self.diag_after
@@ -199,14 +198,17 @@ class Control:
                     ok = True
                     return
                 now = time.monotonic()
-                if now >= next_abort:
+                if now >= next_abort:  # the label's text is made only from here on
+                    what = label_text(what)
                     self.poll_abort(what)
                     next_abort = now + ABORT_EVERY_S
                 if now >= next_diag:
                     published = True
+                    what = label_text(what)
                     self._diagnose(what, t0)
                     next_diag = now + 1.0
                 if now - t0 >= total:
+                    what = label_text(what)
                     err = CommTimeout(self._timeout_message(what, total))
                     self.abort(err, what)
                     raise err
