@@ -6,8 +6,9 @@ the same torch op on this worker's block with no communication (the compute gpud
 avoid). Layers (``--layers``):
 
 * ``conv2d``       DistributedConv2d, spatial (1,1,N/2,2) partition, 3x3, padding 1
-* ``conv2d_strips`` the same with ``boundary_strips = True`` (conv of the block plus
-                   boundary strips instead of copying the block into the halo buffer)
+                   (the default local step: conv of the block plus boundary strips)
+* ``conv2d_copy``  the same with ``boundary_strips = False`` (the block copied into the
+                   halo buffer, conv of that)
 * ``conv2d_chan``  DistributedConv2d, channels split: P_w (1,2,N/2,1,1), x (1,N/2,1,1)
 * ``maxpool2d``    DistributedMaxPool2d 3x3, stride 2, padding 1, spatial partition
 * ``avgpool2d``    DistributedAvgPool2d 2x2, stride 2, spatial partition
@@ -29,7 +30,7 @@ from collections.abc import Callable
 
 from .common import Timer, add_common_args, progress, run_suite
 
-LAYERS = ["conv2d", "conv2d_strips", "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d",
+LAYERS = ["conv2d", "conv2d_copy", "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d",
           "upsample2d", "upsample2d_crop", "linear"]
 
 
@@ -64,9 +65,9 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
     x = _block(G, P)
     c = shape[1]
     whole = n == 1
-    if name in ("conv2d", "conv2d_strips"):
+    if name in ("conv2d", "conv2d_copy"):
         layer = gnn.DistributedConv2d(P, c, c, 3, 1, 1, device=dev)
-        layer.boundary_strips = name == "conv2d_strips"
+        layer.boundary_strips = name == "conv2d"
         ref = torch.nn.Conv2d(c, c, 3, 1, 1, device=dev)
         rfn = ref if whole else (lambda t: F.conv2d(t, ref.weight, ref.bias, 1, 1))
         return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"

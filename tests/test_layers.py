@@ -102,6 +102,23 @@ def test_boundary_strips_taken_where_the_geometry_allows(cluster):
     assert not all(all(u) for u in used(CONV_CASES[2]))
 
 
+def _strip_faces(pshape, gshape):
+    """This rank's strips (faces) of a 3x3 'same' conv, the default local step."""
+    P = Partition.grid(pshape)
+    layer = gnn.DistributedConv2d(P, 2, 2, 3, 1, 1, dtype=torch.float64)
+    layer(block_of(global_tensor(gshape), P))
+    (plan,) = layer._plans.values()
+    return [st.dim for st in plan.strips.strips]
+
+
+def test_strips_only_for_faces_with_a_halo(cluster):
+    """The default form computes a strip per face that holds a halo; a face of global
+    zero padding adds nothing and gets none."""
+    assert cluster.run(2, _strip_faces, (1, 1, 1, 2), (1, 2, 8, 10)) == [[3], [3]]
+    assert cluster.run(4, _strip_faces, (1, 1, 2, 2), (1, 2, 8, 10)) == [[2, 3]] * 4
+    assert cluster.run(3, _strip_faces, (1, 1, 1, 3), (1, 2, 8, 12)) == [[3], [3, 3], [3]]
+
+
 GROUPED_CASES = [
     # groups aligned with the channel blocks: 2 groups, ci and co split in 2
     (4, 2, (1, 2, 2, 1, 1), [0, 1, 2, 3], [0, 1], None, (2, 4, 7, 6), 4, 6, 3, 1, 1, 1, 2),

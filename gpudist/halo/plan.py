@@ -346,6 +346,16 @@ def read_shell(hp: HaloPlan, reads: Sequence[Box]) -> tuple[tuple[tuple[Box, Box
     return pairs, zero
 
 
+def padding_read(hp: HaloPlan, reads: Sequence[Box]) -> tuple[Box, ...]:
+    """The parts of the global padding held in the working buffer that ``reads`` or the
+    neighbours (corners travel through it) read: all a layer filling only part of the
+    buffer must fill."""
+    boxes = list(reads) + [b for st in hp.steps for b in st.send]
+    cut = {tuple((max(p, q), min(r, v)) for (p, r), (q, v) in zip(slab, box))
+           for slab in hp.pad_slabs for box in boxes}
+    return tuple(sorted(b for b in cut if all(p < q for p, q in b)))
+
+
 def _slabs(shape: Sequence[int], box: Box) -> list[Box]:
     """Disjoint boxes covering ``shape`` minus ``box``."""
     return box_minus(tuple((0, n) for n in shape), box)

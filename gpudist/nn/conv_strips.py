@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, box_minus, numel, slices
+from ..halo.plan import Box, HaloPlan, box_minus, numel, padding_read, slices
 from ..primitives import Plan
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
@@ -55,6 +55,7 @@ class BoundaryStrips:
     shell: tuple[tuple[Box, Box], ...]
     halo: tuple[Box, ...]
     strips: tuple[_Strip, ...]
+    fill: tuple[Box, ...]  # the global padding in the working buffer someone reads
 
     @classmethod
     def make(cls, hp: HaloPlan, kernel: Sequence[int], stride: Sequence[int],
@@ -122,20 +123,22 @@ class BoundaryStrips:
 
             # left face: outputs [0, c) read it; the strip spans their windows
             c = min(m, math.ceil(E / s))
-            if c > 0 and b0 > o0:
+            halo_lo, halo_hi = b0 - o0 - hp.inbuf[t][0], o1 - b1 - hp.inbuf[t][1]
+            if c > 0 and halo_lo > 0:  # a face of global padding only adds zeros
                 span = (c - 1) * s + d * (k - 1) + 1
                 top = min(E, span) - p  # slab positions the strip holds (after the pad)
                 add_strip(o0, o0 + max(0, top), p, span, (0, c))
             # right face: outputs [i0, m) read it
             i0 = max(0, math.ceil((E + (b1 - b0) - d * (k - 1)) / s))
-            if i0 < m and o1 > b1:
+            if i0 < m and halo_hi > 0:
                 u0 = i0 * s
                 first = max(E + (b1 - b0), u0)  # first slab position the strip holds
                 add_strip(b1 + first - (E + (b1 - b0)), o1, first - u0, span_all - u0,
                           (i0, m))
         at_x = tuple((w, tuple((lo - z, hi - z) for (lo, hi), z in zip(w, bulk0)))
                      for w in shell)
-        return cls(tuple(ext), at_x, tuple(halo), tuple(strips))
+        return cls(tuple(ext), at_x, tuple(halo), tuple(strips),
+                   padding_read(hp, [st.src for st in strips]))
 
 
 def conv_with_strips(H: HaloExchange, plan: Plan, sp: BoundaryStrips, x: torch.Tensor,
@@ -155,8 +158,8 @@ class _StripConv(torch.autograd.Function):
         stride, dilation, groups = conv
         fn = _CONV[x.dim() - 2]
         W = H.buffers.get("work", hp.work_shape, x.dtype, x.device)
-        if hp.pad_slabs:
-            hp.fill_padding(W)
+        for box in sp.fill:
+            W[slices(box)].zero_()
         for wb, xb in sp.shell:
             W[slices(wb)].copy_(x[slices(xb)])
         H.exchange_in_place(W, plan)

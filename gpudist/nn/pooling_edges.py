@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, numel, read_shell, slices
+from ..halo.plan import Box, HaloPlan, numel, padding_read, read_shell, slices
 from ..primitives import Plan
 
 _POOL = {2: F.max_pool2d, 3: F.max_pool3d}
@@ -131,12 +131,9 @@ class PoolEdgePlan:
                     pad = tuple(0 if u == t else dims[u - 2][3] for u in range(2, len(W)))
                     strips.append(_Strip(tuple(y_box), tuple(shape), tuple(src), tuple(dst),
                                          pad, tuple(crop)))
-        shell, zero = read_shell(hp, [st.src for st in strips])
-        reads = [st.src for st in strips] + [b for step in hp.steps for b in step.send]
-        fill = {tuple((max(p, q), min(r_, v)) for (p, r_), (q, v) in zip(slab, box))
-                for slab in hp.pad_slabs for box in reads}
-        return cls(tuple(E), tuple(strips), shell, zero,
-                   tuple(sorted(b for b in fill if all(p < q for p, q in b))))
+        reads = [st.src for st in strips]
+        shell, zero = read_shell(hp, reads)
+        return cls(tuple(E), tuple(strips), shell, zero, padding_read(hp, reads))
 
 
 def max_pool_edges(H: HaloExchange, plan: Plan, ep: PoolEdgePlan, x: torch.Tensor,
