@@ -263,6 +263,11 @@ EDGE_CASES = [
      dict(kernel_size=3, stride=2, padding=1), True, False),
     ("edge-2d-ceil", (1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 15, 13),
      dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), None, False),
+    # the block's own pool would have windows of padding only (dilation 2): torch reports
+    # an index outside the block there and its backward writes out of bounds (the fuzz
+    # test's seed 55 crashed a rank with "double free"); those workers must copy
+    ("edge-padding-only", (1, 1, 3, 1), [1, 2, 3], (3, 3, 5, 10),
+     dict(kernel_size=2, stride=1, padding=1, dilation=2), None, False),
     ("edge-3d", (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 8, 6, 12),
      dict(kernel_size=3, stride=2, padding=1), True, False),
     ("edge-2d-batch", (2, 1, 1, 2), [0, 1, 2, 3], (2, 2, 8, 12),

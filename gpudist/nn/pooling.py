@@ -33,7 +33,7 @@ from ..partition import Partition
 from ..primitives import Plan
 from ..spec import TensorSpec
 from ._layer import DistributedModule, per_dim
-from .pooling_edges import PoolEdgePlan, max_pool_edges
+from .pooling_edges import PoolEdgePlan, max_pool_edges, padding_only_window
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -48,15 +48,6 @@ def pool_output_length(L: int, k: int, s: int, p: int, d: int, ceil_mode: bool) 
     if ceil_mode and (m - 1) * s >= L + p:
         m -= 1
     return m
-
-
-def _padding_only_window(L: int, k: int, s: int, p: int, d: int, m: int) -> bool:
-    """Whether some of the ``m`` pooling windows reads padding only (no entry of
-    ``[0, L)``), which a dilation can cause."""
-    o = torch.arange(m, dtype=torch.int64)
-    first = o * s - p  # the first tap of each window
-    j = (-first).clamp(min=0).add(d - 1).div(d, rounding_mode="floor")  # first tap >= 0
-    return bool(((j >= k) | (first + j * d >= L)).any())
 
 
 def window_counts(L: int, k: int, s: int, p: int, outputs: tuple[int, int],
@@ -160,7 +151,7 @@ class _DistributedPoolNd(DistributedModule):
                          spec.dtype, spec.device_type)
         halo = self.halo
         if self.halo_padded is not None and any(
-                _padding_only_window(L, self.k[a], self.s[a], self.p[a], self.d[a], m)
+                padding_only_window(L, self.k[a], self.s[a], self.p[a], self.d[a], m)
                 for a, (L, m) in enumerate(zip(spec.global_shape[2:], out.global_shape[2:]))):
             halo = self.halo_padded
         hp = halo.plan(spec) if self.P_x.active else None

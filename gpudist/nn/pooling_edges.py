@@ -38,6 +38,15 @@ _BACK = {2: torch.ops.aten.max_pool2d_with_indices_backward,
 _NEG = float("-inf")
 
 
+def padding_only_window(L: int, k: int, s: int, p: int, d: int, m: int) -> bool:
+    """Whether some of the ``m`` pooling windows reads padding only (no entry of
+    ``[0, L)``), which a dilation can cause."""
+    o = torch.arange(m, dtype=torch.int64)
+    first = o * s - p  # the first tap of each window
+    j = (-first).clamp(min=0).add(d - 1).div(d, rounding_mode="floor")  # first tap >= 0
+    return bool(((j >= k) | (first + j * d >= L)).any())
+
+
 @dataclass(frozen=True)
 class _Strip:
     """One edge region ``y_box`` of the output; the strip buffer's ``shape``, where the
@@ -86,6 +95,8 @@ class PoolEdgePlan:
             e = lo + P  # the block's pool pads by e on both sides: the same grid if it
             if L < 1 or e > k // 2 or L + 2 * e < span or (L + 2 * e - span) // s + 1 != m:
                 return None  # gives m outputs (windows past the true extent would not)
+            if padding_only_window(L, k, s, e, d, m):  # the block's pool would report an
+                return None  # index outside the block there (its backward writes there)
             halo_lo, halo_hi = lo - hp.inbuf[t][0], hi - hp.inbuf[t][1]  # W's -inf aside
             left = math.ceil(e / s) if halo_lo > 0 else 0
             i0 = max(0, math.ceil((lo + L + P - span + 1) / s)) if halo_hi > 0 else m
