@@ -341,9 +341,18 @@ def read_shell(hp: HaloPlan, reads: Sequence[Box]) -> tuple[tuple[tuple[Box, Box
             pieces = [x for piece in pieces for x in box_minus(piece, seen)]
         shell += [x for x in pieces if numel(x)]
     pairs = tuple((w, tuple((p - z, q - z) for (p, q), (z, _) in zip(w, bb))) for w in shell)
-    full = tuple((0, n) for n in hp.work_shape)
-    zero = tuple(b for b in box_minus(full, bb) if numel(b)) + tuple(shell)
-    return pairs, zero
+    return pairs, halo_boxes(hp) + tuple(shell)
+
+
+def halo_boxes(hp: HaloPlan) -> tuple[Box, ...]:
+    """Disjoint boxes of the working buffer outside the bulk and outside the global padding
+    it holds: what the adjoint's messages carry back. (A gradient left in the padding is
+    never added into a bulk, so an adjoint need not zero it.)"""
+    boxes = [b for b in box_minus(tuple((0, n) for n in hp.work_shape), hp.bulk_box)
+             if numel(b)]
+    for slab in hp.pad_slabs:
+        boxes = [q for b in boxes for q in box_minus(b, slab) if numel(q)]
+    return tuple(boxes)
 
 
 def padding_read(hp: HaloPlan, reads: Sequence[Box]) -> tuple[Box, ...]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, box_minus, numel, padding_read, slices
+from ..halo.plan import Box, HaloPlan, box_minus, halo_boxes, numel, padding_read, slices
 from ..primitives import Plan
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
@@ -88,7 +88,7 @@ class BoundaryStrips:
                     pieces = [q for piece in pieces for q in box_minus(piece, seen)]
                 shell += [q for q in pieces if numel(q)]
         # the halo faces; the strips below cut the same faces (earlier dims: bulk only)
-        halo, strips = [b for b in box_minus(ob, bb) if numel(b)], []
+        halo, strips = list(halo_boxes(hp)), []
         n = len(ext)
         for a in range(n):
             t = 2 + a
