@@ -9,8 +9,8 @@ it clamps at the block's edge, where the global tensor goes on). So:
 
 where ``S_j`` is a thin strip of the halo-extended block (``r`` bulk rows and the halo) and
 the regions ``R_j`` are disjoint (a later dimension's regions skip the earlier ones'
-edges). No copy of the block, none of the output: only the boundary shell the neighbours
-read goes into the exchange's working buffer. Adjoint (hand-written, exact):
+edges). No copy of the block, none of the output: only the boundary shell the strips and
+the neighbours read goes into the exchange's working buffer. Adjoint (hand-written, exact):
 
     dx = interp*(dy) - sum_j interp_j*(dy[R_j])   (the block's own map on R_j, taken back
                                                   on ``r`` block rows)
