@@ -22,7 +22,7 @@ from ..partition import Partition
 from ..primitives.base import Plan, Primitive
 from ..spec import TensorSpec
 from .geometry import HaloGeometry, halo_spec
-from .plan import HaloPlan
+from .plan import HaloPlan, Shell, slices
 
 GeometryFn = Callable[[TensorSpec], Sequence[HaloGeometry]]
 
@@ -113,17 +113,36 @@ class HaloExchange(Primitive):
         """This worker's :class:`HaloPlan` for a tensor of ``spec`` (padding, boxes)."""
         return self.plan(spec).local
 
-    def exchange_in_place(self, W: torch.Tensor, plan: Plan, adjoint: bool = False) -> None:
-        """H (or H*) alone on a working buffer the caller filled, counted as one call of this
-        operator: for layers that fill only what the exchange reads (see
-        :class:`gpudist.nn.conv_strips.BoundaryStrips`)."""
+    # -- for layers that compute on the block itself (the edge splits, conv strips) ------
+    def exchange_shell(self, x: torch.Tensor, plan: Plan, shell: Shell) -> torch.Tensor:
+        """H on the working buffer holding only ``shell`` (its padding filled, its bulk
+        entries copied from the block ``x``): the buffer, halos filled. One call of this
+        operator on every worker, messages or none."""
         hp: HaloPlan = plan.local
-        if adjoint:
-            with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
-                hp.exchange_adjoint_(W)
-        else:
-            with self.numbered(plan):
-                hp.exchange_(W)
+        W = self.buffers.get("work", hp.work_shape, x.dtype, x.device)
+        for box in shell.fill:
+            W[slices(box)].fill_(hp.fill)
+        for wb, xb in shell.pairs:
+            W[slices(wb)].copy_(x[slices(xb)])
+        with self.numbered(plan):
+            hp.exchange_(W)
+        return W
+
+    def shell_gradient(self, plan: Plan, shell: Shell, like: torch.Tensor) -> torch.Tensor:
+        """The gradient buffer for :meth:`shell_adjoint`, zero where it must be."""
+        G = self.buffers.get("grad", plan.local.work_shape, like.dtype, like.device)
+        for box in shell.zero:
+            G[slices(box)].zero_()
+        return G
+
+    def shell_adjoint(self, G: torch.Tensor, plan: Plan, shell: Shell, dx: torch.Tensor
+                      ) -> None:
+        """H* on ``G`` (the caller wrote the gradients of what it read), then the shell's
+        entries added into the block gradient ``dx``."""
+        with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
+            plan.local.exchange_adjoint_(G)
+        for wb, xb in shell.pairs:
+            dx[slices(xb)] += G[slices(wb)]
 
     # -- the two directions ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:

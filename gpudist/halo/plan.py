@@ -327,42 +327,38 @@ def box_minus(box: Box, cut: Box) -> list[Box]:
     return out
 
 
-def read_shell(hp: HaloPlan, reads: Sequence[Box]) -> tuple[tuple[tuple[Box, Box], ...],
-                                                          tuple[Box, ...]]:
-    """For a layer that fills only part of the working buffer: the bulk entries that
-    ``reads`` (working-buffer boxes the layer reads after the exchange) and the neighbours
-    read, as disjoint (working buffer, block) box pairs; and the boxes an adjoint zeroes in
-    a gradient buffer before writing into ``reads`` (the halo shell and those entries)."""
-    bb = hp.bulk_box
-    shell: list[Box] = []
-    for box in list(reads) + [b for st in hp.steps for b in st.send]:
-        pieces = [tuple((max(p, q), min(s, v)) for (p, s), (q, v) in zip(box, bb))]
-        for seen in shell:
-            pieces = [x for piece in pieces for x in box_minus(piece, seen)]
-        shell += [x for x in pieces if numel(x)]
-    pairs = tuple((w, tuple((p - z, q - z) for (p, q), (z, _) in zip(w, bb))) for w in shell)
-    return pairs, halo_boxes(hp) + tuple(shell)
+@dataclass(frozen=True)
+class Shell:
+    """For a layer that fills only part of the working buffer (it computes on the block
+    itself and reads a few boxes of the buffer after the exchange): ``pairs``, the bulk
+    entries those boxes and the neighbours read, as disjoint (working buffer, block) box
+    pairs; ``fill``, the global padding held in the buffer that they read (corners travel
+    through it); ``zero``, what an adjoint zeroes in a gradient buffer first (the halos
+    and the pairs; a gradient left in the padding is never added into a bulk)."""
 
+    pairs: tuple[tuple[Box, Box], ...]
+    fill: tuple[Box, ...]
+    zero: tuple[Box, ...]
 
-def halo_boxes(hp: HaloPlan) -> tuple[Box, ...]:
-    """Disjoint boxes of the working buffer outside the bulk and outside the global padding
-    it holds: what the adjoint's messages carry back. (A gradient left in the padding is
-    never added into a bulk, so an adjoint need not zero it.)"""
-    boxes = [b for b in box_minus(tuple((0, n) for n in hp.work_shape), hp.bulk_box)
-             if numel(b)]
-    for slab in hp.pad_slabs:
-        boxes = [q for b in boxes for q in box_minus(b, slab) if numel(q)]
-    return tuple(boxes)
-
-
-def padding_read(hp: HaloPlan, reads: Sequence[Box]) -> tuple[Box, ...]:
-    """The parts of the global padding held in the working buffer that ``reads`` or the
-    neighbours (corners travel through it) read: all a layer filling only part of the
-    buffer must fill."""
-    boxes = list(reads) + [b for st in hp.steps for b in st.send]
-    cut = {tuple((max(p, q), min(r, v)) for (p, r), (q, v) in zip(slab, box))
-           for slab in hp.pad_slabs for box in boxes}
-    return tuple(sorted(b for b in cut if all(p < q for p, q in b)))
+    @classmethod
+    def of(cls, hp: HaloPlan, reads: Sequence[Box]) -> Shell:
+        bb = hp.bulk_box
+        boxes = list(reads) + [b for st in hp.steps for b in st.send]
+        shell: list[Box] = []
+        for box in boxes:
+            pieces = [tuple((max(p, q), min(r, v)) for (p, r), (q, v) in zip(box, bb))]
+            for seen in shell:
+                pieces = [x for piece in pieces for x in box_minus(piece, seen)]
+            shell += [x for x in pieces if numel(x)]
+        pairs = tuple((w, tuple((p - z, q - z) for (p, q), (z, _) in zip(w, bb)))
+                      for w in shell)
+        cut = {tuple((max(p, q), min(r, v)) for (p, r), (q, v) in zip(slab, box))
+               for slab in hp.pad_slabs for box in boxes}
+        fill = tuple(sorted(b for b in cut if all(p < q for p, q in b)))
+        halos = [b for b in box_minus(tuple((0, n) for n in hp.work_shape), bb) if numel(b)]
+        for slab in hp.pad_slabs:
+            halos = [q for b in halos for q in box_minus(b, slab) if numel(q)]
+        return cls(pairs, fill, tuple(halos) + tuple(shell))
 
 
 def _slabs(shape: Sequence[int], box: Box) -> list[Box]:

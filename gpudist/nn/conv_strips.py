@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, box_minus, halo_boxes, numel, padding_read, slices
+from ..halo.plan import Box, HaloPlan, Shell, slices
 from ..primitives import Plan
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
@@ -48,14 +48,12 @@ class _Strip:
 @dataclass(frozen=True)
 class BoundaryStrips:
     """Geometry of the split for one worker and one input spec (see the module docstring):
-    ``padding`` of the block's conv, the ``shell`` boxes (working buffer, block) the
-    neighbours read, the ``halo`` boxes of the working buffer, and the strips."""
+    ``padding`` of the block's conv, the strips, and the ``shell`` of the working buffer
+    the exchange and the strips need."""
 
     padding: tuple[int, ...]
-    shell: tuple[tuple[Box, Box], ...]
-    halo: tuple[Box, ...]
     strips: tuple[_Strip, ...]
-    fill: tuple[Box, ...]  # the global padding in the working buffer someone reads
+    shell: Shell
 
     @classmethod
     def make(cls, hp: HaloPlan, kernel: Sequence[int], stride: Sequence[int],
@@ -79,16 +77,7 @@ class BoundaryStrips:
                     out_shape[2 + a]:
                 return None
             ext.append(lo)
-        bulk0 = [b0 for b0, _ in bb]
-        shell: list[Box] = []  # disjoint: the adjoint adds each entry once
-        for st in hp.steps:
-            for box in st.send:
-                pieces = [tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(box, bb))]
-                for seen in shell:
-                    pieces = [q for piece in pieces for q in box_minus(piece, seen)]
-                shell += [q for q in pieces if numel(q)]
-        # the halo faces; the strips below cut the same faces (earlier dims: bulk only)
-        halo, strips = list(halo_boxes(hp)), []
+        strips: list[_Strip] = []  # per face (earlier dims: bulk only)
         n = len(ext)
         for a in range(n):
             t = 2 + a
@@ -135,10 +124,7 @@ class BoundaryStrips:
                 first = max(E + (b1 - b0), u0)  # first slab position the strip holds
                 add_strip(b1 + first - (E + (b1 - b0)), o1, first - u0, span_all - u0,
                           (i0, m))
-        at_x = tuple((w, tuple((lo - z, hi - z) for (lo, hi), z in zip(w, bulk0)))
-                     for w in shell)
-        return cls(tuple(ext), at_x, tuple(halo), tuple(strips),
-                   padding_read(hp, [st.src for st in strips]))
+        return cls(tuple(ext), tuple(strips), Shell.of(hp, [st.src for st in strips]))
 
 
 def conv_with_strips(H: HaloExchange, plan: Plan, sp: BoundaryStrips, x: torch.Tensor,
@@ -154,15 +140,9 @@ class _StripConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H, plan, sp, conv, x, w, b):  # type: ignore[override]
-        hp: HaloPlan = plan.local
         stride, dilation, groups = conv
         fn = _CONV[x.dim() - 2]
-        W = H.buffers.get("work", hp.work_shape, x.dtype, x.device)
-        for box in sp.fill:
-            W[slices(box)].zero_()
-        for wb, xb in sp.shell:
-            W[slices(wb)].copy_(x[slices(xb)])
-        H.exchange_in_place(W, plan)
+        W = H.exchange_shell(x, plan, sp.shell)
         y = fn(x, w, b, stride, sp.padding, dilation, groups)
         strips = []
         for i, st in enumerate(sp.strips):
@@ -180,7 +160,6 @@ class _StripConv(torch.autograd.Function):
     def backward(ctx, gy):  # type: ignore[override]
         x, w, *strips = ctx.saved_tensors
         H, plan, sp, (stride, dilation, groups), has_b = ctx.setup
-        hp: HaloPlan = plan.local
         need_x, need_w, need_b = ctx.needs_input_grad[4:7]
         need_b = need_b and has_b
         zeros = [0] * (x.dim() - 2)
@@ -188,9 +167,7 @@ class _StripConv(torch.autograd.Function):
         gx, gw, gb = back(gy, x, w, [w.shape[0]] if has_b else None, stride, sp.padding,
                           dilation, False, zeros, groups, [need_x, need_w, need_b])
         if need_x:  # H* runs where the input needs a gradient, as the primitive's would
-            G = H.buffers.get("grad", hp.work_shape, gy.dtype, gy.device)
-            for box in sp.halo + tuple(wb for wb, _ in sp.shell):
-                G[slices(box)].zero_()
+            G = H.shell_gradient(plan, sp.shell, gy)
         for st, S in zip(sp.strips, strips):
             g = gy.narrow(st.dim, st.out[0], st.out[1] - st.out[0]).contiguous()
             gS, gwS, _ = back(g, S, w, None, stride, st.padding, dilation, False, zeros,
@@ -200,7 +177,5 @@ class _StripConv(torch.autograd.Function):
             if need_w:
                 gw += gwS
         if need_x:
-            H.exchange_in_place(G, plan, adjoint=True)
-            for wb, xb in sp.shell:
-                gx[slices(xb)] += G[slices(wb)]
+            H.shell_adjoint(G, plan, sp.shell, gx)
         return None, None, None, None, gx, gw, gb

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, numel, padding_read, read_shell, slices
+from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
 
 _POOL = {2: F.max_pool2d, 3: F.max_pool3d}
@@ -67,9 +67,7 @@ class PoolEdgePlan:
 
     padding: tuple[int, ...]  # E per spatial dim: the block pool's own padding
     strips: tuple[_Strip, ...]
-    shell: tuple[tuple[Box, Box], ...]
-    zero: tuple[Box, ...]
-    fill: tuple[Box, ...]  # the global padding held in W that the strips or peers read
+    shell: Shell  # what the strips and the neighbours need in the working buffer
 
     @classmethod
     def make(cls, hp: HaloPlan, kernel: Sequence[int], stride: Sequence[int],
@@ -142,9 +140,7 @@ class PoolEdgePlan:
                     pad = tuple(0 if u == t else dims[u - 2][3] for u in range(2, len(W)))
                     strips.append(_Strip(tuple(y_box), tuple(shape), tuple(src), tuple(dst),
                                          pad, tuple(crop)))
-        reads = [st.src for st in strips]
-        shell, zero = read_shell(hp, reads)
-        return cls(tuple(E), tuple(strips), shell, zero, padding_read(hp, reads))
+        return cls(tuple(E), tuple(strips), Shell.of(hp, [st.src for st in strips]))
 
 
 def max_pool_edges(H: HaloExchange, plan: Plan, ep: PoolEdgePlan, x: torch.Tensor,
@@ -165,15 +161,9 @@ class _EdgeMaxPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H, plan, ep, pool, x):  # type: ignore[override]
-        hp: HaloPlan = plan.local
         k, s, d = pool
         fn = _POOL[x.dim() - 2]
-        W = H.buffers.get("work", hp.work_shape, x.dtype, x.device)
-        for box in ep.fill:  # padding the strips or the neighbours read (corners)
-            W[slices(box)].fill_(_NEG)
-        for wb, xb in ep.shell:
-            W[slices(wb)].copy_(x[slices(xb)])
-        H.exchange_in_place(W, plan)  # every worker counts it, with messages or none
+        W = H.exchange_shell(x, plan, ep.shell)
         y, idx = fn(x, k, s, ep.padding, d, return_indices=True)
         strip_idx = []
         for i, st in enumerate(ep.strips):
@@ -191,11 +181,8 @@ class _EdgeMaxPool(torch.autograd.Function):
     def backward(ctx, gy):  # type: ignore[override]
         x, idx, *strip_idx = ctx.saved_tensors
         H, plan, ep, (k, s, d) = ctx.setup
-        hp: HaloPlan = plan.local
         gx = _BACK[x.dim() - 2](gy, x, k, s, ep.padding, d, False, idx)
-        G = H.buffers.get("grad", hp.work_shape, gy.dtype, gy.device)
-        for box in ep.zero:
-            G[slices(box)].zero_()
+        G = H.shell_gradient(plan, ep.shell, gy)
         for st, js in zip(ep.strips, strip_idx):
             gr = _flat(gy[slices(st.y_box)])
             # what the block's pool scattered from these outputs is not theirs
@@ -203,7 +190,5 @@ class _EdgeMaxPool(torch.autograd.Function):
             gS = gy.new_zeros(st.shape)
             _flat(gS).scatter_add_(2, _flat(js), gr)
             G[slices(st.src)] += gS[slices(st.dst)]
-        H.exchange_in_place(G, plan, adjoint=True)
-        for wb, xb in ep.shell:
-            gx[slices(xb)] += G[slices(wb)]
+        H.shell_adjoint(G, plan, ep.shell, gx)
         return None, None, None, None, gx

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, numel, read_shell, slices
+from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
 
 _MODE = {1: "linear", 2: "bilinear", 3: "trilinear"}
@@ -70,8 +70,7 @@ class EdgePlan:
 
     scales: tuple[float, ...]
     edges: tuple[_Edge, ...]
-    shell: tuple[tuple[Box, Box], ...]  # disjoint (working buffer, block) boxes
-    zero: tuple[Box, ...]  # what the adjoint zeroes in the gradient buffer first
+    shell: Shell  # what the strips and the neighbours need in the working buffer
 
     @classmethod
     def make(cls, hp: HaloPlan, ks: Sequence[int], outputs: Sequence[tuple[int, int]],
@@ -147,8 +146,8 @@ class EdgePlan:
                                        tuple(b_crop)))
         if not edges:
             return None
-        shell, zero = read_shell(hp, [e.strip for e in edges])
-        return cls(tuple(float(k) for k in ks), tuple(edges), shell, zero)
+        return cls(tuple(float(k) for k in ks), tuple(edges),
+                   Shell.of(hp, [e.strip for e in edges]))
 
 
 def upsample_edges(H: HaloExchange, plan: Plan, ep: EdgePlan, x: torch.Tensor
@@ -163,12 +162,8 @@ class _EdgeUpsample(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H, plan, ep, x):  # type: ignore[override]
-        hp: HaloPlan = plan.local
         mode = _MODE[x.dim() - 2]
-        W = H.buffers.get("work", hp.work_shape, x.dtype, x.device)
-        for wb, xb in ep.shell:
-            W[slices(wb)].copy_(x[slices(xb)])
-        H.exchange_in_place(W, plan)
+        W = H.exchange_shell(x, plan, ep.shell)
         y = F.interpolate(x, scale_factor=ep.scales, mode=mode, align_corners=False)
         for e in ep.edges:
             s = F.interpolate(W[slices(e.strip)], scale_factor=ep.scales, mode=mode,
@@ -180,12 +175,9 @@ class _EdgeUpsample(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         H, plan, ep, x_shape = ctx.setup
-        hp: HaloPlan = plan.local
         sc = ep.scales
         gx = _interp_backward(gy, x_shape, sc)
-        G = H.buffers.get("grad", hp.work_shape, gy.dtype, gy.device)
-        for box in ep.zero:
-            G[slices(box)].zero_()
+        G = H.shell_gradient(plan, ep.shell, gy)
         for e in ep.edges:
             gr = gy[slices(e.y_box)]
             # the block's own map on this region, taken back (it is not the output there)
@@ -200,9 +192,7 @@ class _EdgeUpsample(torch.autograd.Function):
             gs = gy.new_zeros(_out_shape(sshape, sc))
             gs[slices(e.strip_crop)] = gr
             G[slices(e.strip)].add_(_interp_backward(gs, sshape, sc))
-        H.exchange_in_place(G, plan, adjoint=True)
-        for wb, xb in ep.shell:
-            gx[slices(xb)] += G[slices(wb)]
+        H.shell_adjoint(G, plan, ep.shell, gx)
         return None, None, None, gx
 
 
