@@ -150,11 +150,8 @@ class MPITransport(Transport):
                 if staged is not t:
                     back.append((staged, t))
 
-        if len(reqs) == 1:  # one message: its own Test (Testall converts a list per poll)
-            done = reqs[0].Test
-        else:
-            def done() -> bool:
-                return self.MPI.Request.Testall(reqs)
+        def done() -> bool:
+            return self.MPI.Request.Testall(reqs)
 
         def finish() -> None:
             for staged, t in back:
