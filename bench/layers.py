@@ -9,6 +9,8 @@ avoid). Layers (``--layers``):
                    (the default local step: conv of the block plus boundary strips)
 * ``conv2d_copy``  the same with ``boundary_strips = False`` (the block copied into the
                    halo buffer, conv of that)
+* ``conv2d_serial`` the default with ``halo.overlap = False`` (the exchange completed
+                   before the block's conv starts: what the overlap saves)
 * ``conv2d_chan``  DistributedConv2d, channels split: P_w (1,2,N/2,1,1), x (1,N/2,1,1)
 * ``maxpool2d``    DistributedMaxPool2d 3x3, stride 2, padding 1, spatial partition
 * ``avgpool2d``    DistributedAvgPool2d 2x2, stride 2, spatial partition
@@ -30,8 +32,8 @@ from collections.abc import Callable
 
 from .common import Timer, add_common_args, progress, run_suite
 
-LAYERS = ["conv2d", "conv2d_copy", "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d",
-          "upsample2d", "upsample2d_crop", "linear"]
+LAYERS = ["conv2d", "conv2d_copy", "conv2d_serial", "conv2d_chan", "maxpool2d", "avgpool2d",
+          "batchnorm2d", "upsample2d", "upsample2d_crop", "linear"]
 
 
 def grid2(n: int) -> tuple[int, int]:
@@ -65,9 +67,10 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
     x = _block(G, P)
     c = shape[1]
     whole = n == 1
-    if name in ("conv2d", "conv2d_copy"):
+    if name in ("conv2d", "conv2d_copy", "conv2d_serial"):
         layer = gnn.DistributedConv2d(P, c, c, 3, 1, 1, device=dev)
-        layer.boundary_strips = name == "conv2d"
+        layer.boundary_strips = name != "conv2d_copy"
+        layer.halo.overlap = name != "conv2d_serial"
         ref = torch.nn.Conv2d(c, c, 3, 1, 1, device=dev)
         rfn = ref if whole else (lambda t: F.conv2d(t, ref.weight, ref.bias, 1, 1))
         return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"

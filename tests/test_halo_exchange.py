@@ -9,6 +9,7 @@ import gpudist
 from gpudist import Decomposition, DistTensor, HaloError, Partition, TensorSpec, block_range
 from gpudist.halo import HaloExchange, HaloGeometry, normalize_params
 from gpudist.testing import adjoint_mismatch
+from tests.conftest import HAS_MPI
 
 try:
     import numba  # noqa: F401
@@ -277,3 +278,36 @@ def test_exchange_with_cuda_tensors(cluster):
     res = cluster.run(4, _cuda_exchange, backend="gloo-spawn")
     for ok, m, packer in res:
         assert ok and m < 1e-13, (ok, m, packer)
+
+
+def _in_flight_body_raises(gshape, pshape):
+    """A body that raises inside ``with InFlight``: the exchange still completes (the
+    buffer holds the halos H gives) and the next exchange is right."""
+    from gpudist.halo.exchange import InFlight
+
+    P = Partition.grid(pshape)
+    X = _global(gshape, seed=3)
+    x = _block(X, P)
+    H = HaloExchange(P, 3, padding=1, pad_value=0.0)
+    spec = TensorSpec(P, gshape, x.dtype)
+    want = H(DistTensor(x, spec)).clone()
+    plan = H.plan(spec)
+    hp = plan.local
+    W = torch.full(hp.work_shape, float("nan"), dtype=x.dtype)
+    hp.fill_padding(W)
+    hp.bulk(W).copy_(x)
+    raised = False
+    try:
+        with InFlight(hp, W, False, H.numbered(plan)):
+            raise ValueError("the body failed")
+    except ValueError:
+        raised = True
+    again = H(DistTensor(x, spec))
+    return raised, bool(torch.equal(hp.result(W), want)), bool(torch.equal(again, want))
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
+    not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
+def test_in_flight_exchange_completes_when_the_body_raises(cluster, backend):
+    res = cluster.run(4, _in_flight_body_raises, (1, 2, 7, 9), (1, 1, 2, 2), backend=backend)
+    assert res == [(True, True, True)] * 4, res

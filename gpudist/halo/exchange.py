@@ -53,6 +53,7 @@ class HaloExchange(Primitive):
 
     name = "HaloExchange"
     collective = False  # only neighbours take part in each message
+    overlap = True  # False: an InFlight completes on entry (to measure what overlap saves)
 
     def __init__(
         self,
@@ -114,33 +115,35 @@ class HaloExchange(Primitive):
         return self.plan(spec).local
 
     # -- for layers that compute on the block itself (the edge splits, conv strips) ------
-    def exchange_shell(self, x: torch.Tensor, plan: Plan, shell: Shell) -> torch.Tensor:
+    def shell_exchange(self, x: torch.Tensor, plan: Plan, shell: Shell) -> InFlight:
         """H on the working buffer holding only ``shell`` (its padding filled, its bulk
-        entries copied from the block ``x``): the buffer, halos filled. One call of this
-        operator on every worker, messages or none."""
+        entries copied from the block ``x``), in flight: ``with`` it, compute what needs no
+        halo (the messages move meanwhile); after the ``with``, ``.buffer`` holds the
+        halos. One call of this operator on every worker, messages or none."""
         hp: HaloPlan = plan.local
         W = self.buffers.get("work", hp.work_shape, x.dtype, x.device)
         for box in shell.fill:
             W[slices(box)].fill_(hp.fill)
         for wb, xb in shell.pairs:
             W[slices(wb)].copy_(x[slices(xb)])
-        with self.numbered(plan):
-            hp.exchange_(W)
-        return W
+        return InFlight(hp, W, False, self.numbered(plan), overlap=self.overlap)
 
     def shell_gradient(self, plan: Plan, shell: Shell, like: torch.Tensor) -> torch.Tensor:
-        """The gradient buffer for :meth:`shell_adjoint`, zero where it must be."""
+        """The gradient buffer for :meth:`shell_return`, zero where it must be."""
         G = self.buffers.get("grad", plan.local.work_shape, like.dtype, like.device)
         for box in shell.zero:
             G[slices(box)].zero_()
         return G
 
-    def shell_adjoint(self, G: torch.Tensor, plan: Plan, shell: Shell, dx: torch.Tensor
-                      ) -> None:
-        """H* on ``G`` (the caller wrote the gradients of what it read), then the shell's
-        entries added into the block gradient ``dx``."""
-        with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
-            plan.local.exchange_adjoint_(G)
+    def shell_return(self, G: torch.Tensor, plan: Plan) -> InFlight:
+        """H* on ``G`` (the caller wrote the gradients of what it read), in flight: ``with``
+        it, compute the block's own gradient; then :meth:`shell_add` into it."""
+        return InFlight(plan.local, G, True, self.numbered(plan, adjoint=True),
+                        self.world.control, self._adj_scope, self.overlap)
+
+    @staticmethod
+    def shell_add(G: torch.Tensor, shell: Shell, dx: torch.Tensor) -> None:
+        """The shell's entries of ``G`` (after H*) added into the block gradient ``dx``."""
         for wb, xb in shell.pairs:
             dx[slices(xb)] += G[slices(wb)]
 
@@ -175,6 +178,42 @@ class HaloExchange(Primitive):
             hp.result(G).copy_(dy)
         hp.exchange_adjoint_(G)
         return _box_of(G, hp.bulk_box)
+
+
+class InFlight:
+    """An exchange posted on entering ``with`` and completed on leaving it (also when the
+    body raises: the peers' messages are matched either way). The body overlaps the first
+    step's messages and must leave ``buffer`` alone."""
+
+    __slots__ = ("hp", "buffer", "adjoint", "numbered", "control", "where", "overlap",
+                 "works")
+
+    def __init__(self, hp: HaloPlan, buffer: torch.Tensor, adjoint: bool, numbered,
+                 control=None, where: str = "", overlap: bool = True) -> None:
+        self.hp, self.buffer, self.adjoint, self.numbered = hp, buffer, adjoint, numbered
+        self.control, self.where, self.overlap, self.works = control, where, overlap, None
+
+    def _run(self, fn, *args):
+        if self.control is None:
+            with self.numbered:
+                return fn(*args)
+        with self.control.scope(self.where), self.numbered:
+            return fn(*args)
+
+    def __enter__(self) -> InFlight:
+        self.works = self._run(self.hp.begin, self.buffer, self.adjoint)
+        if not self.overlap:
+            self._finish()
+        return self
+
+    def __exit__(self, kind, e, tb) -> bool:
+        self._finish()
+        return False
+
+    def _finish(self) -> None:
+        if self.works is not None:
+            works, self.works = self.works, None
+            self._run(self.hp.end, self.buffer, self.adjoint, works)
 
 
 def _box_of(W: torch.Tensor, box) -> torch.Tensor:

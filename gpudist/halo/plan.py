@@ -7,11 +7,13 @@ pad]``. Step ``d`` (one per dimension that exchanges anything, in increasing ord
 boxes that span the already exchanged extent of dims ``< d``, so corners arrive in two hops.
 
 Forward H (:meth:`HaloPlan.exchange_`) and adjoint H* (:meth:`HaloPlan.exchange_adjoint_`)
-are the same messages read in opposite directions: :meth:`HaloPlan._transfer` sends one
-set of boxes and receives the other; forward receives overwrite the halos, adjoint receives
-are *added* into the bulk (the adjoint of a copy is an add). Boxes that are one contiguous
-run of ``W`` go to and from the backend in place; the others are packed/unpacked, both
-faces of a step in one kernel call, through send/receive buffers kept per dtype/device.
+are the same messages read in opposite directions: each step sends one set of boxes and
+receives the other (:meth:`HaloPlan.begin` posts the first step, :meth:`HaloPlan.end`
+waits for it and runs the rest, so a caller can compute in between); forward receives
+overwrite the halos, adjoint receives are *added* into the bulk (the adjoint of a copy is
+an add). Boxes that are one contiguous run of ``W`` go to and from the backend in place;
+the others are packed/unpacked, both faces of a step in one kernel call, through
+send/receive buffers kept per dtype/device.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
 from ..kernels.regions import collapse
 from ..partition import Partition
-from ..transport.base import P2P
+from ..transport.base import P2P, Work
 from .geometry import HaloGeometry, WorkerHalo
 
 Box = tuple[tuple[int, int], ...]
@@ -252,15 +254,26 @@ class HaloPlan:
     # -- the operator, in place ------------------------------------------------------------
     def exchange_(self, W: torch.Tensor) -> torch.Tensor:
         """H in place: fill the halos of ``W`` (bulk already written). Returns ``W``."""
-        for move in self._moves(W, adjoint=False):
-            self._transfer(W, move)
+        self.end(W, False, self.begin(W, False))
         return W
 
     def exchange_adjoint_(self, W: torch.Tensor) -> torch.Tensor:
         """H* in place: add the halos of ``W`` into their owners' bulk. Returns ``W``."""
-        for move in self._moves(W, adjoint=True):
-            self._transfer(W, move)
+        self.end(W, True, self.begin(W, True))
         return W
+
+    def begin(self, W: torch.Tensor, adjoint: bool) -> list[Work]:
+        """Post the first step of H (or H*) on ``W``: its messages move while the caller
+        computes something that leaves ``W`` alone; :meth:`end` completes the exchange
+        (the later steps send what the first one brings: corners)."""
+        moves = self._moves(W, adjoint)
+        return self._post(W, moves[0]) if moves else []
+
+    def end(self, W: torch.Tensor, adjoint: bool, works: list[Work]) -> None:
+        """Wait for the first step (posted by :meth:`begin`), then run the others."""
+        moves = self._moves(W, adjoint)
+        for i, move in enumerate(moves):
+            self._complete(W, move, works if i == 0 else self._post(W, move))
 
     def _moves(self, W: torch.Tensor, adjoint: bool) -> list[_Move]:
         """The steps' messages for buffers shaped like ``W``: forward sends ``send`` boxes
@@ -289,21 +302,28 @@ class HaloPlan:
             self._bufs[key] = b
         return b
 
-    def _transfer(self, W: torch.Tensor, move: _Move) -> None:
-        """One step: pack what is not a contiguous run, send/receive, unpack (or add)."""
+    def _post(self, W: torch.Tensor, move: _Move) -> list[Work]:
+        """One step's messages posted: receives first, then what is not a contiguous run
+        packed, then the sends."""
         flat = W.view(-1)
         sbuf, rbuf = self._buffers(move, W)
-        packer = self._packers.of(W)
         tr = self.P.world.transport
         works = tr.batch_p2p([P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
-                              for run, a, n, peer, tag in move.recvs])  # receives first
+                              for run, a, n, peer, tag in move.recvs])
         if move.pack:
-            packer.pack(W, move.pack, out=sbuf[:move.pack_n])
+            self._packers.of(W).pack(W, move.pack, out=sbuf[:move.pack_n])
         works += tr.batch_p2p([P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
                                for run, a, n, peer, tag in move.sends])
-        tr.wait(works, move.label)
-        for at, n, boxes in move.unpack:
-            packer.unpack(rbuf[at:at + n], W, boxes, add=move.add)
+        return works
+
+    def _complete(self, W: torch.Tensor, move: _Move, works: list[Work]) -> None:
+        """Wait for one step's messages, then unpack (or add) what arrived."""
+        self.P.world.transport.wait(works, move.label)
+        if move.unpack:
+            rbuf = self._buffers(move, W)[1]
+            packer = self._packers.of(W)
+            for at, n, boxes in move.unpack:
+                packer.unpack(rbuf[at:at + n], W, boxes, add=move.add)
 
     def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
         """data_ptr of every cached send/receive buffer pair (to check reuse)."""

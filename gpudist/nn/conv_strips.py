@@ -10,6 +10,7 @@ is nonzero only near the block's boundary and is computed on thin strips, one pe
 Only the block's boundary shell (what the neighbours need) is copied into the exchange's
 working buffer. Adjoint (hand-written): the conv adjoints give the block's gradient and the
 strips' gradients; the strips' halo parts go back through H* and are added into the shell.
+The block's conv (and its adjoint) runs while the exchange's first step is in flight.
 
 :class:`BoundaryStrips` is the plan (pure geometry, made once per input spec);
 :func:`conv_with_strips` runs it.
@@ -135,15 +136,17 @@ def conv_with_strips(H: HaloExchange, plan: Plan, sp: BoundaryStrips, x: torch.T
 
 
 class _StripConv(torch.autograd.Function):
-    """Forward: shell into the working buffer, H, conv of the block, strip corrections.
-    Backward: conv adjoints, the strips' halo gradients through H*, added into the shell."""
+    """Forward: shell into the working buffer, H posted, conv of the block, H completed,
+    strip corrections. Backward: the strips' adjoints, their halo gradients posted through
+    H*, the block's conv adjoint, H* completed and added into the shell."""
 
     @staticmethod
     def forward(ctx, H, plan, sp, conv, x, w, b):  # type: ignore[override]
         stride, dilation, groups = conv
         fn = _CONV[x.dim() - 2]
-        W = H.exchange_shell(x, plan, sp.shell)
-        y = fn(x, w, b, stride, sp.padding, dilation, groups)
+        with H.shell_exchange(x, plan, sp.shell) as ex:  # the block's conv overlaps it
+            y = fn(x, w, b, stride, sp.padding, dilation, groups)
+        W = ex.buffer
         strips = []
         for i, st in enumerate(sp.strips):
             S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,
@@ -164,18 +167,28 @@ class _StripConv(torch.autograd.Function):
         need_b = need_b and has_b
         zeros = [0] * (x.dim() - 2)
         back = torch.ops.aten.convolution_backward
-        gx, gw, gb = back(gy, x, w, [w.shape[0]] if has_b else None, stride, sp.padding,
-                          dilation, False, zeros, groups, [need_x, need_w, need_b])
         if need_x:  # H* runs where the input needs a gradient, as the primitive's would
             G = H.shell_gradient(plan, sp.shell, gy)
-        for st, S in zip(sp.strips, strips):
+        gws = []
+        for st, S in zip(sp.strips, strips):  # first: their halo parts go out meanwhile
             g = gy.narrow(st.dim, st.out[0], st.out[1] - st.out[0]).contiguous()
             gS, gwS, _ = back(g, S, w, None, stride, st.padding, dilation, False, zeros,
                               groups, [need_x, need_w, False])
             if need_x:
                 G[slices(st.src)].copy_(gS[slices(st.dst)])
-            if need_w:
-                gw += gwS
+            gws.append(gwS)
+
+        def block():
+            return back(gy, x, w, [w.shape[0]] if has_b else None, stride, sp.padding,
+                        dilation, False, zeros, groups, [need_x, need_w, need_b])
+
         if need_x:
-            H.shell_adjoint(G, plan, sp.shell, gx)
+            with H.shell_return(G, plan):  # the block's conv adjoint overlaps H*
+                gx, gw, gb = block()
+            H.shell_add(G, sp.shell, gx)
+        else:
+            gx, gw, gb = block()
+        if need_w:
+            for gwS in gws:
+                gw += gwS
         return None, None, None, None, gx, gw, gb

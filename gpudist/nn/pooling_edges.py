@@ -156,15 +156,17 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _EdgeMaxPool(torch.autograd.Function):
-    """Forward: shell into the working buffer, H, the block's pool, the edge strips.
-    Backward: the pool adjoints by their indices, the strips' part through H*."""
+    """Forward: shell into the working buffer, H posted, the block's pool, H completed,
+    the edge strips. Backward: the strips' part posted through H*, the block's pool
+    adjoint by its indices, H* completed and added in."""
 
     @staticmethod
     def forward(ctx, H, plan, ep, pool, x):  # type: ignore[override]
         k, s, d = pool
         fn = _POOL[x.dim() - 2]
-        W = H.exchange_shell(x, plan, ep.shell)
-        y, idx = fn(x, k, s, ep.padding, d, return_indices=True)
+        with H.shell_exchange(x, plan, ep.shell) as ex:  # the block's pool overlaps it
+            y, idx = fn(x, k, s, ep.padding, d, return_indices=True)
+        W = ex.buffer
         strip_idx = []
         for i, st in enumerate(ep.strips):
             S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,
@@ -181,14 +183,15 @@ class _EdgeMaxPool(torch.autograd.Function):
     def backward(ctx, gy):  # type: ignore[override]
         x, idx, *strip_idx = ctx.saved_tensors
         H, plan, ep, (k, s, d) = ctx.setup
-        gx = _BACK[x.dim() - 2](gy, x, k, s, ep.padding, d, False, idx)
         G = H.shell_gradient(plan, ep.shell, gy)
-        for st, js in zip(ep.strips, strip_idx):
-            gr = _flat(gy[slices(st.y_box)])
-            # what the block's pool scattered from these outputs is not theirs
-            _flat(gx).scatter_add_(2, _flat(idx[slices(st.y_box)]), -gr)
+        for st, js in zip(ep.strips, strip_idx):  # first: their halo parts go out meanwhile
             gS = gy.new_zeros(st.shape)
-            _flat(gS).scatter_add_(2, _flat(js), gr)
+            _flat(gS).scatter_add_(2, _flat(js), _flat(gy[slices(st.y_box)]))
             G[slices(st.src)] += gS[slices(st.dst)]
-        H.shell_adjoint(G, plan, ep.shell, gx)
+        with H.shell_return(G, plan):  # the block's pool adjoint overlaps H*
+            gx = _BACK[x.dim() - 2](gy, x, k, s, ep.padding, d, False, idx)
+            for st in ep.strips:  # what the block's pool scattered from these outputs
+                _flat(gx).scatter_add_(2, _flat(idx[slices(st.y_box)]),  # is not theirs
+                                       -_flat(gy[slices(st.y_box)]))
+        H.shell_add(G, ep.shell, gx)
         return None, None, None, None, gx

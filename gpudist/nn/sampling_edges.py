@@ -157,14 +157,16 @@ def upsample_edges(H: HaloExchange, plan: Plan, ep: EdgePlan, x: torch.Tensor
 
 
 class _EdgeUpsample(torch.autograd.Function):
-    """Forward: shell into the working buffer, H, the block's interpolation, the edge
-    regions from the strips. Backward: the adjoints, the strips' gradients through H*."""
+    """Forward: shell into the working buffer, H posted, the block's interpolation, H
+    completed, the edge regions from the strips. Backward: the strips' gradients posted
+    through H*, the block's adjoint, H* completed and added in."""
 
     @staticmethod
     def forward(ctx, H, plan, ep, x):  # type: ignore[override]
         mode = _MODE[x.dim() - 2]
-        W = H.exchange_shell(x, plan, ep.shell)
-        y = F.interpolate(x, scale_factor=ep.scales, mode=mode, align_corners=False)
+        with H.shell_exchange(x, plan, ep.shell) as ex:  # the block's map overlaps it
+            y = F.interpolate(x, scale_factor=ep.scales, mode=mode, align_corners=False)
+        W = ex.buffer
         for e in ep.edges:
             s = F.interpolate(W[slices(e.strip)], scale_factor=ep.scales, mode=mode,
                               align_corners=False)
@@ -176,23 +178,23 @@ class _EdgeUpsample(torch.autograd.Function):
     def backward(ctx, gy):  # type: ignore[override]
         H, plan, ep, x_shape = ctx.setup
         sc = ep.scales
-        gx = _interp_backward(gy, x_shape, sc)
         G = H.shell_gradient(plan, ep.shell, gy)
-        for e in ep.edges:
-            gr = gy[slices(e.y_box)]
-            # the block's own map on this region, taken back (it is not the output there)
-            b0, b1 = e.block
-            bshape = list(x_shape)
-            bshape[e.dim] = b1 - b0
-            gb = gy.new_zeros(_out_shape(bshape, sc))
-            gb[slices(e.block_crop)] = gr
-            gx.narrow(e.dim, b0, b1 - b0).sub_(_interp_backward(gb, bshape, sc))
-            # the strip's map, taken back into the working buffer
+        for e in ep.edges:  # first, the strips' maps taken back: they go out meanwhile
             sshape = [q - p for p, q in e.strip]
             gs = gy.new_zeros(_out_shape(sshape, sc))
-            gs[slices(e.strip_crop)] = gr
+            gs[slices(e.strip_crop)] = gy[slices(e.y_box)]
             G[slices(e.strip)].add_(_interp_backward(gs, sshape, sc))
-        H.shell_adjoint(G, plan, ep.shell, gx)
+        with H.shell_return(G, plan):  # the block's adjoint overlaps H*
+            gx = _interp_backward(gy, x_shape, sc)
+            for e in ep.edges:
+                # the block's own map on this region, taken back (not the output there)
+                b0, b1 = e.block
+                bshape = list(x_shape)
+                bshape[e.dim] = b1 - b0
+                gb = gy.new_zeros(_out_shape(bshape, sc))
+                gb[slices(e.block_crop)] = gy[slices(e.y_box)]
+                gx.narrow(e.dim, b0, b1 - b0).sub_(_interp_backward(gb, bshape, sc))
+        H.shell_add(G, ep.shell, gx)
         return None, None, None, gx
 
 
