@@ -27,7 +27,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .errors import CommTimeout, MismatchError, RemoteError, WorldAborted, is_everywhere
 
@@ -36,11 +36,10 @@ ABORT_EVERY_S = 0.02
 DEFAULT_DIAG_AFTER_S = float(os.environ.get("GPUDIST_DIAG_AFTER", "2.0"))
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
     """One operator instance on one group: ``seq`` counts the group's operators;
     ``needs_all``: it cannot complete without every member (a collective; a halo exchange
-    needs only neighbours)."""
+    needs only neighbours). A named tuple: one is made on every call of every operator."""
 
     group: tuple[int, ...]
     seq: int

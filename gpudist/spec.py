@@ -170,7 +170,7 @@ class TensorSpec:
                 f"{self.device_type} over partition {P.shape} of ranks {list(P.ranks)}{pl}")
 
     def matches(self, t: torch.Tensor) -> bool:
-        return (tuple(t.shape) == self.local_shape and t.dtype == self.dtype
+        return (t.shape == self.local_shape and t.dtype == self.dtype
                 and t.device.type == self.device_type)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class Primitive(torch.nn.Module):
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
+        self._last: tuple[TensorSpec, Plan] | None = None  # the last call's (spec, plan)
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -123,9 +124,13 @@ class Primitive(torch.nn.Module):
     def plan(self, spec: TensorSpec, local_ok: bool = True) -> Plan:
         """The cached plan for input ``spec``; made (and checked across the participants)
         at its first use."""
+        last = self._last
+        if last is not None and last[0] is spec:  # the same spec object as last call
+            return last[1]
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
+            self._last = (spec, p)
             return p
         try:
             self.check_input(spec)
@@ -143,7 +148,9 @@ class Primitive(torch.nn.Module):
         else:
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
-        return self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
+        p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
+        self._last = (spec, p)
+        return p
 
     def derive(self, x: torch.Tensor) -> TensorSpec:
         """The spec of a plain local block: a metadata exchange over the participants at

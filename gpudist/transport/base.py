@@ -57,16 +57,17 @@ class Work:
     that), ``finish()`` runs once it is done (raises the backend's error, copies staged
     data back). ``block(s)`` optionally blocks up to ``s`` seconds for progress."""
 
-    __slots__ = ("what", "_done", "_finish", "block", "spin")
+    __slots__ = ("what", "done", "_finish", "block", "spin", "keep")
 
     def __init__(self, what: Label, done: Callable[[], bool],
                  finish: Callable[[], None] | None = None,
-                 block: Callable[[float], object] | None = None, spin: bool = False) -> None:
-        self.what, self._done, self._finish, self.block, self.spin = (
-            what, done, finish, block, spin)
-
-    def done(self) -> bool:
-        return self._done()
+                 block: Callable[[float], object] | None = None, spin: bool = False,
+                 keep: object = None) -> None:
+        # ``done`` is the backend's poll itself (no method in between: it runs in loops);
+        # ``keep``: what must stay alive until the operation is done (the tensors whose
+        # memory the backend was handed by address)
+        self.what, self.done, self._finish, self.block, self.spin, self.keep = (
+            what, done, finish, block, spin, keep)
 
     def finish(self) -> None:
         if self._finish is not None:
