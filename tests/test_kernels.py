@@ -86,9 +86,32 @@ def _cases():
 CASES = _cases()
 
 
+def _reference_unpack(buf, x, boxes, add=False):
+    out, at = x.clone(), 0
+    for box in boxes:
+        sl = tuple(slice(a, b) for a, b in box)
+        n = out[sl].numel()
+        part = buf[at:at + n].reshape(out[sl].shape)
+        out[sl] = out[sl] + part if add else part
+        at += n
+    return out
+
+
+def _same_layout(x):
+    """A copy of ``x`` with its strides and storage offset (unpack into views too)."""
+    store = torch.zeros(x.untyped_storage().nbytes() // x.element_size(), dtype=x.dtype)
+    y = store.as_strided(x.shape, x.stride(), x.storage_offset())
+    y.copy_(x)
+    return y
+
+
 def _views(x):
-    """x itself, a non-contiguous view with a storage offset, and a transposed view."""
+    """x itself, a contiguous view with a storage offset, a non-contiguous view with a
+    storage offset, and a transposed view."""
     yield "contiguous", x
+    whole = torch.zeros((2,) + tuple(x.shape), dtype=x.dtype)
+    whole[1].copy_(x)
+    yield "contiguous with offset", whole[1]
     big = torch.zeros((3,) + tuple(s + 2 for s in x.shape), dtype=x.dtype)
     v = big[(1,) + tuple(slice(1, 1 + s) for s in x.shape)]
     v.copy_(x)
@@ -112,15 +135,17 @@ def _check_packer(p, dtypes, cases):
                 # unpack (overwrite) and unpack-add against torch, on disjoint boxes
                 boxes = _disjoint(boxes)
                 buf = _rand((T.pack(x, boxes).numel(),), dtype, 1000 + ci)
-                a, b = x.clone(), x.clone()
+                a, b = x.clone(), _same_layout(x)
                 p.unpack(buf, a, boxes)
                 T.unpack(buf, b, boxes)
                 assert torch.equal(a, b), (p.name, "unpack", dtype, shape)
+                assert torch.equal(b, _reference_unpack(buf, x, boxes)), ("unpack", shape)
                 if dtype != torch.bool:
-                    a, b = x.clone(), x.clone()
+                    a, b = x.clone(), _same_layout(x)
                     p.unpack(buf, a, boxes, add=True)
                     T.unpack(buf, b, boxes, add=True)
                     assert torch.equal(a, b), (p.name, "add", dtype, shape)
+                    assert torch.equal(b, _reference_unpack(buf, x, boxes, add=True))
                 checked += 1
     return checked
 

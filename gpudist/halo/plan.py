@@ -303,18 +303,17 @@ class HaloPlan:
         return b
 
     def _post(self, W: torch.Tensor, move: _Move) -> list[Work]:
-        """One step's messages posted: receives first, then what is not a contiguous run
-        packed, then the sends."""
+        """One step's messages posted: what is not a contiguous run packed, then the
+        receives and the sends in one batch (receives first)."""
         flat = W.view(-1)
         sbuf, rbuf = self._buffers(move, W)
-        tr = self.P.world.transport
-        works = tr.batch_p2p([P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
-                              for run, a, n, peer, tag in move.recvs])
         if move.pack:
             self._packers.of(W).pack(W, move.pack, out=sbuf[:move.pack_n])
-        works += tr.batch_p2p([P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
-                               for run, a, n, peer, tag in move.sends])
-        return works
+        ops = [P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
+               for run, a, n, peer, tag in move.recvs]
+        ops += [P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
+                for run, a, n, peer, tag in move.sends]
+        return self.P.world.transport.batch_p2p(ops)
 
     def _complete(self, W: torch.Tensor, move: _Move, works: list[Work]) -> None:
         """Wait for one step's messages, then unpack (or add) what arrived."""

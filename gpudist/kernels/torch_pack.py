@@ -29,7 +29,10 @@ class TorchPacker:
         return True
 
     def _plan(self, shape: torch.Size, regions: Regions) -> tuple[int, list]:
-        """(total elements, [(slices, buffer offset, count, box shape)]) for the boxes."""
+        """(total elements, [(slices, buffer offset, box shape, its dense strides, box
+        strides, box offset)]) for the boxes; the last two are those of the box in a
+        contiguous tensor of ``shape`` (one ``as_strided`` instead of indexing: cheaper
+        per call)."""
         try:
             key = (tuple(shape), regions)
             hash(key)
@@ -37,11 +40,18 @@ class TorchPacker:
             key = (tuple(shape), tuple(tuple(tuple(p) for p in b) for b in regions))
         plan = self._plans.get(key)
         if plan is None:
+            strides, acc = [], 1
+            for n_ in reversed(tuple(shape)):
+                strides.append(acc)
+                acc *= n_
+            strides = tuple(reversed(strides))
             parts, off = [], 0
             for b in normalize(shape, regions):
                 k = box_numel(b)
                 if k:
-                    parts.append((as_slices(b), off, k, box_shape(b)))
+                    at = sum(lo * st for (lo, _), st in zip(b, strides))
+                    shp = box_shape(b)
+                    parts.append((as_slices(b), off, shp, _dense(shp), strides, at))
                 off += k
             plan = (off, parts)
             self._plans[key] = plan
@@ -56,21 +66,40 @@ class TorchPacker:
             out = torch.empty(n, dtype=src.dtype, device=src.device)
         elif out.numel() < n or out.dtype != src.dtype or not out.is_contiguous():
             raise ValueError(f"pack buffer must be contiguous {src.dtype} with >= {n} elements")
-        flat = out.view(-1)
-        for sl, off, k, shp in parts:
-            flat[off:off + k].view(shp).copy_(src[sl])
-        return flat[:n] if flat.numel() != n else out
+        o0 = out.storage_offset()
+        if src.is_contiguous():
+            s0 = src.storage_offset()
+            for _, off, shp, dense, st, at in parts:
+                out.as_strided(shp, dense, o0 + off).copy_(src.as_strided(shp, st, s0 + at))
+        else:
+            for sl, off, shp, dense, _, _ in parts:
+                out.as_strided(shp, dense, o0 + off).copy_(src[sl])
+        return out.view(-1)[:n] if out.numel() != n else out
 
     def unpack(self, buf: torch.Tensor, dst: torch.Tensor, regions: Regions, add: bool = False
                ) -> torch.Tensor:
         n, parts = self._plan(dst.shape, regions)
         if buf.numel() < n:
             raise ValueError(f"unpack buffer has {buf.numel()} elements, boxes need {n}")
-        flat = buf.reshape(-1)
-        for sl, off, k, shp in parts:
-            part = flat[off:off + k].view(shp)
+        if not buf.is_contiguous():
+            buf = buf.contiguous()
+        b0 = buf.storage_offset()
+        dense = dst.is_contiguous()
+        d0 = dst.storage_offset()
+        for sl, off, shp, dense_b, st, at in parts:
+            part = buf.as_strided(shp, dense_b, b0 + off)
+            view = dst.as_strided(shp, st, d0 + at) if dense else dst[sl]
             if add:
-                dst[sl].add_(part)
+                view.add_(part)
             else:
-                dst[sl].copy_(part)
+                view.copy_(part)
         return dst
+
+
+def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
