@@ -13,10 +13,12 @@ returns the bulk of it, with no per-call allocation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 
 from ..buffers import alias
+from ..control import Control
 from ..errors import ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives.base import Plan, Primitive
@@ -188,8 +190,9 @@ class InFlight:
     __slots__ = ("hp", "buffer", "adjoint", "numbered", "control", "where", "overlap",
                  "works")
 
-    def __init__(self, hp: HaloPlan, buffer: torch.Tensor, adjoint: bool, numbered,
-                 control=None, where: str = "", overlap: bool = True) -> None:
+    def __init__(self, hp: HaloPlan, buffer: torch.Tensor, adjoint: bool,
+                 numbered: AbstractContextManager, control: Control | None = None,
+                 where: str = "", overlap: bool = True) -> None:
         self.hp, self.buffer, self.adjoint, self.numbered = hp, buffer, adjoint, numbered
         self.control, self.where, self.overlap, self.works = control, where, overlap, None
 
