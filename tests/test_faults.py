@@ -87,6 +87,60 @@ def test_planning_bug_on_one_rank_reaches_every_rank(cluster):
     assert secs < FAST, secs
 
 
+def _fails_while_in_flight(backward):
+    """Rank 1's local op fails while a halo exchange is in flight (the block's conv in the
+    forward, or its adjoint in the backward): the exchange completes, rank 1's error
+    reaches the others at their next communication."""
+    from gpudist.nn import conv_strips
+
+    P = Partition.grid((1, 1, 3))
+    conv = _conv(P)
+    x = DistTensor(_x(P).local.requires_grad_(True), _x(P).spec)
+    conv(x).local.sum().backward()  # plans made; the strips form runs on every rank
+    me = gpudist.world().rank
+    orig_conv, orig_torch = conv_strips._CONV[1], conv_strips.torch
+
+    class _Broken:  # torch for conv_strips, whose convolution_backward fails on rank 1
+        def __getattr__(self, name):
+            return getattr(orig_torch, name)
+
+        class ops:
+            class aten:
+                @staticmethod
+                def convolution_backward(gy, x, *a):
+                    if x.shape[-1] == 4:  # the block's adjoint (strips are narrower)
+                        raise RuntimeError("the block's conv adjoint failed on rank 1")
+                    return orig_torch.ops.aten.convolution_backward(gy, x, *a)
+
+    def broken_conv(x, *a):
+        if x.shape[-1] == 4:
+            raise RuntimeError("the block's conv failed on rank 1")
+        return orig_conv(x, *a)
+
+    if me == 1:
+        if backward:
+            conv_strips.torch = _Broken()
+        else:
+            conv_strips._CONV[1] = broken_conv
+    try:
+        for _ in range(3):
+            conv(x).local.sum().backward()
+    finally:
+        conv_strips._CONV[1], conv_strips.torch = orig_conv, orig_torch
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_local_op_failing_while_halos_are_in_flight(cluster, backend, backward):
+    errs, secs = _run_timed(cluster, 3, _fails_while_in_flight, backward, backend=backend)
+    assert errs[1] is not None and errs[1].type == "RuntimeError", errs[1]
+    assert "failed on rank 1" in errs[1].message, errs[1]
+    for r in (0, 2):
+        assert errs[r] is not None and errs[r].type == "RemoteError", errs[r]
+        assert "rank 1 failed with RuntimeError" in errs[r].message, errs[r].message
+    assert secs < FAST, secs
+
+
 def _catch_and_go_on():
     """Rank 1 catches its gpudist error and carries on: its next call fails at once (the
     world is aborted), and its peers are told who failed."""
