@@ -58,8 +58,10 @@ def _broadcast_case(src_shape, src_ranks, dst_shape, dst_ranks, transpose, dtype
     else:
         ok = y.numel() == 0
     m = adjoint_mismatch(Broadcast(Ps, Pd, transpose_src=transpose), x)
-    # SumReduce back, checked against its definition
+    # SumReduce back, checked against its definition; its input is left as it was
+    y_before = y.clone()
     s = SumReduce(Pd, Ps, transpose_dst=transpose)(y)
+    ok = ok and torch.equal(y, y_before)
     if Ps.active:
         n_fan = sum(1 for r in Pd.ranks if Pv.world_rank_of(tuple(
             ci if sz > 1 else 0 for ci, sz in zip(Pd.coords_of(Pd.ranks.index(r)), Pv.shape)))

@@ -94,14 +94,17 @@ class FanPlan:
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None, scratch: torch.Tensor | None
                ) -> torch.Tensor | None:
-        """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``."""
+        """'many' workers send ``x`` (through ``scratch`` where the backend may overwrite
+        its input); each 'one' worker returns its fan's sum in ``out``."""
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends = many is not None and many.one != me and many.group is not None
         for part in (("recv", "send") if self.one_first else ("send", "recv")):
             if part == "send" and sends:
-                scratch.copy_(x)  # the backend may use it as scratch
-                works.append(tr.reduce(scratch, many.one, many.group))
+                if scratch is not None:  # the backend may use its input as scratch
+                    scratch.copy_(x)
+                works.append(tr.reduce(x if scratch is None else scratch, many.one,
+                                       many.group))
             elif part == "recv" and one is not None:
                 if me in one.many:
                     out.copy_(x)
@@ -148,7 +151,8 @@ class _FanPrimitive(Primitive):
         out = scratch = None
         if f.mine_one is not None:
             out = self.buffers.get(name, one.local_shape, x.dtype, x.device)
-        if f.mine_many is not None and f.mine_many.one != self.world.rank:
+        if f.mine_many is not None and f.mine_many.one != self.world.rank \
+                and not self.world.transport.reduce_keeps_input:
             scratch = self.buffers.get(name + "-scratch", many.local_shape, x.dtype, x.device)
         y = f.reduce(x.contiguous(), out, scratch)
         return y if y is not None else zero_volume(one.ndim, like=x)

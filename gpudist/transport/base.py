@@ -133,6 +133,9 @@ class Transport(ABC):
     size: int
     timeout: float = DEFAULT_TIMEOUT_S
     control = None  # set by gpudist.init: the world's Control
+    # whether reduce() leaves a non-root member's tensor as it was (MPI reads the send
+    # buffer only); where False, callers hand it a scratch copy
+    reduce_keeps_input: bool = False
 
     # -- groups -------------------------------------------------------------
     _groups: dict
@@ -198,7 +201,8 @@ class Transport(ABC):
 
     @abstractmethod
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
-        """Sum members' ``tensor`` into world rank ``dst``'s, in place (others undefined)."""
+        """Sum members' ``tensor`` into world rank ``dst``'s, in place (others undefined
+        unless :attr:`reduce_keeps_input`)."""
 
     @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:

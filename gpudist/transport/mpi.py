@@ -52,6 +52,8 @@ def cuda_aware() -> bool:
 class MPITransport(Transport):
     """``MPI.COMM_WORLD`` (or a given communicator) as a transport."""
 
+    reduce_keeps_input = True  # a non-root member's buffer is MPI's read-only send buffer
+
     def __init__(self, comm=None, timeout: float = 120.0, stage_all: bool | None = None
                  ) -> None:
         MPI = _mpi()
