@@ -283,6 +283,8 @@ def test_exchange_with_cuda_tensors(cluster):
 def _in_flight_body_raises(gshape, pshape):
     """A body that raises inside ``with InFlight``: the exchange still completes (the
     buffer holds the halos H gives) and the next exchange is right."""
+    from contextlib import nullcontext
+
     from gpudist.halo.exchange import InFlight
 
     P = Partition.grid(pshape)
@@ -298,7 +300,7 @@ def _in_flight_body_raises(gshape, pshape):
     hp.bulk(W).copy_(x)
     raised = False
     try:
-        with InFlight(hp, W, False, H.numbered(plan)):
+        with InFlight(hp, W, False, H.numbered(plan), nullcontext()):
             raise ValueError("the body failed")
     except ValueError:
         raised = True

@@ -13,12 +13,11 @@ returns the bulk of it, with no per-call allocation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from ..buffers import alias
-from ..control import Control
 from ..errors import ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives.base import Plan, Primitive
@@ -128,7 +127,7 @@ class HaloExchange(Primitive):
             W[slices(box)].fill_(hp.fill)
         for wb, xb in shell.pairs:
             W[slices(wb)].copy_(x[slices(xb)])
-        return InFlight(hp, W, False, self.numbered(plan), overlap=self.overlap)
+        return InFlight(hp, W, False, self.numbered(plan), nullcontext(), self.overlap)
 
     def shell_gradient(self, plan: Plan, shell: Shell, like: torch.Tensor) -> torch.Tensor:
         """The gradient buffer for :meth:`shell_return`, zero where it must be."""
@@ -141,7 +140,7 @@ class HaloExchange(Primitive):
         """H* on ``G`` (the caller wrote the gradients of what it read), in flight: ``with``
         it, compute the block's own gradient; then :meth:`shell_add` into it."""
         return InFlight(plan.local, G, True, self.numbered(plan, adjoint=True),
-                        self.world.control, self._adj_scope, self.overlap)
+                        self.world.control.scope(self._adj_scope), self.overlap)
 
     @staticmethod
     def shell_add(G: torch.Tensor, shell: Shell, dx: torch.Tensor) -> None:
@@ -187,20 +186,16 @@ class InFlight:
     body raises: the peers' messages are matched either way). The body overlaps the first
     step's messages and must leave ``buffer`` alone."""
 
-    __slots__ = ("hp", "buffer", "adjoint", "numbered", "control", "where", "overlap",
-                 "works")
+    __slots__ = ("hp", "buffer", "adjoint", "numbered", "scope", "overlap", "works")
 
     def __init__(self, hp: HaloPlan, buffer: torch.Tensor, adjoint: bool,
-                 numbered: AbstractContextManager, control: Control | None = None,
-                 where: str = "", overlap: bool = True) -> None:
+                 numbered: AbstractContextManager, scope: AbstractContextManager,
+                 overlap: bool = True) -> None:
         self.hp, self.buffer, self.adjoint, self.numbered = hp, buffer, adjoint, numbered
-        self.control, self.where, self.overlap, self.works = control, where, overlap, None
+        self.scope, self.overlap, self.works = scope, overlap, None
 
     def _run(self, fn, *args):
-        if self.control is None:
-            with self.numbered:
-                return fn(*args)
-        with self.control.scope(self.where), self.numbered:
+        with self.scope, self.numbered:  # both reusable: entered once per half
             return fn(*args)
 
     def __enter__(self) -> InFlight:

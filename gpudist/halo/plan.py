@@ -25,7 +25,7 @@ import torch
 
 from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
-from ..kernels.regions import collapse
+from ..kernels.regions import collapse, dense_strides
 from ..partition import Partition
 from ..transport.base import P2P, Work
 from .geometry import HaloGeometry, WorkerHalo
@@ -55,12 +55,7 @@ def numel(box: Box) -> int:
 def run_offset(box: Box, shape: Sequence[int]) -> int | None:
     """Flat offset of ``box`` in a contiguous tensor of ``shape`` if the box is one
     contiguous run (then it moves in place, without packing), else None."""
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    strides.reverse()
-    base, sizes, st = collapse(box, strides)
+    base, sizes, st = collapse(box, dense_strides(shape))
     return base if (len(sizes) == 1 and st == [1]) or numel(box) <= 1 else None
 
 

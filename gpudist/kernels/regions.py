@@ -39,6 +39,15 @@ def normalize(shape: Sequence[int], regions: Regions) -> tuple[Box, ...]:
     return tuple(out)
 
 
+def dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The element strides of a contiguous tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
 def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in box)
 

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from .regions import Regions, as_slices, box_numel, box_shape, normalize
+from .regions import Regions, as_slices, box_numel, box_shape, dense_strides, normalize
 
 
 class TorchPacker:
@@ -40,18 +40,14 @@ class TorchPacker:
             key = (tuple(shape), tuple(tuple(tuple(p) for p in b) for b in regions))
         plan = self._plans.get(key)
         if plan is None:
-            strides, acc = [], 1
-            for n_ in reversed(tuple(shape)):
-                strides.append(acc)
-                acc *= n_
-            strides = tuple(reversed(strides))
+            strides = dense_strides(shape)
             parts, off = [], 0
             for b in normalize(shape, regions):
                 k = box_numel(b)
                 if k:
                     at = sum(lo * st for (lo, _), st in zip(b, strides))
                     shp = box_shape(b)
-                    parts.append((as_slices(b), off, shp, _dense(shp), strides, at))
+                    parts.append((as_slices(b), off, shp, dense_strides(shp), strides, at))
                 off += k
             plan = (off, parts)
             self._plans[key] = plan
@@ -95,11 +91,3 @@ class TorchPacker:
                 view.copy_(part)
         return dst
 
-
-def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape``."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))

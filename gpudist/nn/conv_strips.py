@@ -30,6 +30,7 @@ from ..primitives import Plan
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
          3: torch.nn.functional.conv3d}
+_CONV_BACK = torch.ops.aten.convolution_backward
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class _StripConv(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[4:7]
         need_b = need_b and has_b
         zeros = [0] * (x.dim() - 2)
-        back = torch.ops.aten.convolution_backward
+        back = _CONV_BACK
         if need_x:  # H* runs where the input needs a gradient, as the primitive's would
             G = H.shell_gradient(plan, sp.shell, gy)
         gws = []

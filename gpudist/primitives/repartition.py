@@ -22,7 +22,7 @@ import torch
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..kernels import Packers
-from ..kernels.regions import collapse
+from ..kernels.regions import collapse, dense_strides
 from ..partition import Partition
 from ..spec import DistTensor, TensorSpec
 from .base import Plan, Primitive, zero_volume
@@ -45,17 +45,9 @@ class _Side:
         return sum(self.counts)
 
 
-def _strides(shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
-
-
 def _side(shape: tuple[int, ...], boxes: list[Box | None]) -> _Side:
     counts = [math.prod(b - a for a, b in box) if box else 0 for box in boxes]
-    st, at, run = _strides(shape), None, None
+    st, at, run = dense_strides(shape), None, None
     ok = True
     for box, k in zip(boxes, counts):
         if not k:

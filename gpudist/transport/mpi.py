@@ -122,11 +122,11 @@ class MPITransport(Transport):
         s = self.staging.host(key, t.shape, t.dtype)
         return self._spec(s, typed), s
 
-    def _work(self, req, what: Label, keep, staged=None, orig=None) -> Work:
-        """The request as a Work; ``keep``: the tensors MPI reads or writes."""
-        if orig is None or staged is orig:
-            return Work(what, req.Test, None, spin=True, keep=keep)
-        return Work(what, req.Test, lambda: orig.copy_(staged), spin=True, keep=keep)
+    def _work(self, req, what: Label, staged, orig=None, other=None) -> Work:
+        """The request as a Work that keeps ``staged`` (and ``other``: the tensors MPI was
+        handed by address) alive; ``orig``: where a staged result is copied back."""
+        back = None if orig is None or staged is orig else (lambda: orig.copy_(staged))
+        return Work(what, req.Test, back, spin=True, keep=(staged, other))
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -139,11 +139,11 @@ class MPITransport(Transport):
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
             return []
-        reqs, back, keep, byte = [], [], [], self.MPI.BYTE
+        reqs, back, keep = [], [], []
         for o in ops:
             t = o.tensor
             if not t.is_cuda and not self.stage_all and t.is_contiguous():
-                buf, staged = [self._address(t.data_ptr(), t.nbytes), byte], t  # common
+                buf, staged = self._spec(t, False), t  # the common case
             elif o.op == "send":
                 buf, staged = self._src(("p2p", o.op, o.peer, o.tag), t)
             else:
@@ -175,7 +175,7 @@ class MPITransport(Transport):
             return self._work(req, what, s)
         buf, s = self._dst(key, tensor)
         req = group.handle.Ibcast(buf, root=group.index(src))
-        return self._work(req, what, s, s, tensor)
+        return self._work(req, what, s, tensor)
 
     def reduce(self, tensor, dst, group):
         what = group.doing(f"reduce to {dst}")
@@ -184,26 +184,26 @@ class MPITransport(Transport):
         buf, s = self._src(key, tensor, typed=True)
         if group.index(self.rank) == root:
             req = group.handle.Ireduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
-            return self._work(req, what, s, s, tensor)
+            return self._work(req, what, s, tensor)
         req = group.handle.Ireduce(buf, None, op=self.MPI.SUM, root=root)
         return self._work(req, what, s)
 
     def all_reduce(self, tensor, group):
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
         req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return self._work(req, group.doing("all-reduce"), s, s, tensor)
+        return self._work(req, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out, tensor, group):
         ob, so = self._dst(("ag-out", group.ranks), out)
         ib, si = self._src(("ag-in", group.ranks), tensor)
         req = group.handle.Iallgather(ib, ob)
-        return self._work(req, group.doing("all-gather"), (so, si), so, out)
+        return self._work(req, group.doing("all-gather"), so, out, si)
 
     def reduce_scatter(self, out, inp, group):
         ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
         ib, si = self._src(("rs-in", group.ranks), inp, typed=True)
         req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
-        return self._work(req, group.doing("reduce-scatter"), (so, si), so, out)
+        return self._work(req, group.doing("reduce-scatter"), so, out, si)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group, even=False):
         ob, so = self._dst(("a2a-out", group.ranks), out)
@@ -211,7 +211,7 @@ class MPITransport(Transport):
         e = out.element_size()
         if even:  # the regular all-to-all on every rank (MPICH's Ialltoallv is ~40 % slower)
             req = group.handle.Ialltoall(ib, ob)
-            return self._work(req, group.doing("all-to-all"), (so, si), so, out)
+            return self._work(req, group.doing("all-to-all"), so, out, si)
 
         def displ(splits):
             d, s = [], 0
@@ -225,7 +225,7 @@ class MPITransport(Transport):
             [ib[0], (ic, displ(in_splits)), self.MPI.BYTE],
             [ob[0], (oc, displ(out_splits)), self.MPI.BYTE],
         )
-        return self._work(req, group.doing("all-to-all"), (so, si), so, out)
+        return self._work(req, group.doing("all-to-all"), so, out, si)
 
     def meta_all_gather(self, out, row, group):
         req = group.meta.Iallgather([row.numpy(), self.MPI.INT64_T],
