@@ -14,8 +14,11 @@ References, both on preallocated buffers, per dimension in gpudist's order (corn
 through two hops), to the same neighbours: ``raw_inplace`` sends/receives contiguous
 buffers of the faces' sizes (no packing: the wire alone); ``raw_pack`` also packs the
 strided faces out of the working buffer and unpacks the received ones with plain torch
-indexing (unpack-add in the adjoint) -- the work gpudist must do too. ``ratio`` is gpudist
-over ``raw_pack``; ``ratio_inplace`` over ``raw_inplace``.
+indexing (unpack-add in the adjoint) -- the work gpudist must do too; on MPI,
+``raw_persist`` does what ``raw_pack`` does with persistent requests (``Send_init`` /
+``Recv_init`` made once, one ``Startall`` + ``Waitall`` per step), as gpudist's MPI
+transport does. ``ratio`` is gpudist over ``raw_pack``; ``ratio_inplace`` over
+``raw_inplace``; ``ratio_persist`` over ``raw_persist``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ class _P2P(RawBackend):
                     works.append(self.dist.isend(s, peer))
             for w in works:
                 w.wait()
+
+    def persistent(self, pairs):
+        """MPI persistent requests for ``exchange(pairs)``: start with :meth:`run`."""
+        reqs = []
+        for peer, s, r in pairs:
+            if r is not None:
+                reqs.append(self.comm.Recv_init(r.numpy(), source=peer, tag=12))
+            if s is not None:
+                reqs.append(self.comm.Send_init(s.numpy(), dest=peer, tag=12))
+        return reqs
+
+    def run(self, reqs) -> None:
+        self.MPI.Prequest.Startall(reqs)
+        self.MPI.Request.Waitall(reqs)
 
 
 def _sl(box):
@@ -107,13 +124,13 @@ def run(args, world) -> list[dict]:
         for st in (reversed(steps) if adjoint else steps):
             raw.exchange([(p, s, r) if not adjoint else (p, r, s) for p, _, _, s, r in st])
 
-    def raw_pack(adjoint=False):
+    def packed(adjoint, exchange):
         for st in (reversed(steps) if adjoint else steps):
             for _, sb, rb, s, r in st:  # pack what goes out
                 src, buf = (rb, r) if adjoint else (sb, s)
                 if buf is not None:
                     buf.view([b - a for a, b in src]).copy_(W[_sl(src)])
-            raw.exchange([(p, s, r) if not adjoint else (p, r, s) for p, _, _, s, r in st])
+            exchange(st, adjoint)
             for _, sb, rb, s, r in st:  # unpack what came in (add in the adjoint)
                 dst, buf = (sb, s) if adjoint else (rb, r)
                 if buf is not None:
@@ -122,6 +139,21 @@ def run(args, world) -> list[dict]:
                         W[_sl(dst)].add_(view)
                     else:
                         W[_sl(dst)].copy_(view)
+
+    def raw_pack(adjoint=False):
+        packed(adjoint, lambda st, adj: raw.exchange(
+            [(p, r, s) if adj else (p, s, r) for p, _, _, s, r in st]))
+
+    if raw.mpi:  # one set of persistent requests per step and direction, made once
+        preqs = {(id(st), adj): raw.persistent([(p, r, s) if adj else (p, s, r)
+                                                for p, _, _, s, r in st])
+                 for st in steps for adj in (False, True)}
+
+        def raw_persist(adjoint=False):
+            packed(adjoint, lambda st, adj: raw.run(preqs[(id(st), adj)]))
+    else:  # no persistent requests in torch.distributed: the same as raw_pack
+        def raw_persist(adjoint=False):
+            raw_pack(adjoint)
 
     def g_exchange():
         if hp:
@@ -134,7 +166,8 @@ def run(args, world) -> list[dict]:
 
     cases = {"g_ex": g_exchange, "r_in": raw_inplace, "r_pk": raw_pack,
              "g_exa": g_exchange_adj, "r_ina": lambda: (raw_inplace(), raw_inplace(True)),
-             "r_pka": lambda: (raw_pack(), raw_pack(True))}
+             "r_pka": lambda: (raw_pack(), raw_pack(True)), "r_ps": raw_persist,
+             "r_psa": lambda: (raw_persist(), raw_persist(True))}
     res = timer.time(cases)
     bar.update()
 
@@ -153,21 +186,29 @@ def run(args, world) -> list[dict]:
     res.update(timer.time({"g_op": g_op, "g_opa": g_op_adj, "r_pk2": raw_pack,
                            "r_pka2": lambda: (raw_pack(), raw_pack(True)),
                            "r_in2": raw_inplace,
-                           "r_ina2": lambda: (raw_inplace(), raw_inplace(True))}))
+                           "r_ina2": lambda: (raw_inplace(), raw_inplace(True)),
+                           "r_ps2": raw_persist,
+                           "r_psa2": lambda: (raw_persist(), raw_persist(True))}))
     bar.update()
     bar.close()
+    if raw.mpi:
+        for reqs in preqs.values():
+            for q in reqs:
+                q.Free()
     tot_bytes = timer.max_over_ranks([float(halo_bytes)])[0]
-    for mode, g, rp, ri in (("exchange", "g_ex", "r_pk", "r_in"),
-                            ("exchange+adjoint", "g_exa", "r_pka", "r_ina"),
-                            ("operator", "g_op", "r_pk2", "r_in2"),
-                            ("operator fwd+adj", "g_opa", "r_pka2", "r_ina2")):
+    for mode, g, rp, ri, rs in (("exchange", "g_ex", "r_pk", "r_in", "r_ps"),
+                                ("exchange+adjoint", "g_exa", "r_pka", "r_ina", "r_psa"),
+                                ("operator", "g_op", "r_pk2", "r_in2", "r_ps2"),
+                                ("operator fwd+adj", "g_opa", "r_pka2", "r_ina2", "r_psa2")):
         tg, tp, ti = res[g]["median_s"], res[rp]["median_s"], res[ri]["median_s"]
+        ts = res[rs]["median_s"]
         rows.append({
             "case": "halo", "backend": world.backend, "ranks": n, "partition": f"1x1x{ph}x{pw}",
             "global_shape": "x".join(map(str, shape)), "kernel": k, "mode": mode,
             "halo_bytes_per_rank": int(tot_bytes),
             "gpudist_ms": tg * 1e3, "raw_pack_ms": tp * 1e3, "raw_inplace_ms": ti * 1e3,
             "raw_ms": tp * 1e3, "ratio": tg / tp, "ratio_inplace": tg / ti,
+            "raw_persist_ms": ts * 1e3, "ratio_persist": tg / ts,
             "gpudist_p25_ms": res[g]["p25_s"] * 1e3, "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
             "raw_p25_ms": res[rp]["p25_s"] * 1e3, "raw_p75_ms": res[rp]["p75_s"] * 1e3,
         })
@@ -181,7 +222,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["partition", "global_shape", "mode", "halo_bytes_per_rank", "gpudist_ms",
-           "raw_pack_ms", "raw_inplace_ms", "ratio", "ratio_inplace"]
+           "raw_pack_ms", "raw_inplace_ms", "raw_persist_ms", "ratio", "ratio_inplace",
+           "ratio_persist"]
 
 
 def main(args, argv) -> None:

@@ -37,7 +37,9 @@ norms on empty row blocks.
 Environment: ``GPUDIST_FUZZ_N`` (default 100), ``GPUDIST_FUZZ_SEED`` (default 1234),
 ``GPUDIST_FUZZ_TIMEOUT`` (seconds per configuration, default 60),
 ``GPUDIST_FUZZ_COMM_TIMEOUT`` (the ranks' communication timeout, default 10),
-``GPUDIST_FUZZ_REPORT`` (a path: append every configuration's outcome there as JSON lines).
+``GPUDIST_FUZZ_REPORT`` (a path: append every configuration's outcome there as JSON lines),
+``GPUDIST_FUZZ_MPI_SHARE`` (the share of configurations run on MPI where it is installed,
+default 0.08; the others run on gloo).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ SEED = int(os.environ.get("GPUDIST_FUZZ_SEED", "1234"))
 RUN_TIMEOUT = float(os.environ.get("GPUDIST_FUZZ_TIMEOUT", "60"))
 COMM_TIMEOUT = float(os.environ.get("GPUDIST_FUZZ_COMM_TIMEOUT", "10"))
 REPORT = os.environ.get("GPUDIST_FUZZ_REPORT")
+MPI_SHARE = float(os.environ.get("GPUDIST_FUZZ_MPI_SHARE", "0.08"))
 CHUNK = 10
 TOL = 1e-9
 F64 = torch.float64
@@ -398,7 +401,7 @@ def make_config(seed: int, index: int) -> dict:
     rng = random.Random(f"{seed}:{index}")
     kind = rng.choices([k for k, _ in KINDS], [w for _, w in KINDS])[0]
     n = rng.randint(1, 6)
-    backend = "mpi" if HAS_MPI and rng.random() < 0.08 else "gloo"
+    backend = "mpi" if HAS_MPI and rng.random() < MPI_SHARE else "gloo"
     cfg = {"index": index, "kind": kind, "n": n, "backend": backend,
            "seed": rng.randint(0, 10**6), "dist": rng.random() < 0.3}
     if kind in ("conv", "convt"):

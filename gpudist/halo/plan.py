@@ -25,9 +25,9 @@ import torch
 
 from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
-from ..kernels.regions import collapse, dense_strides
+from ..kernels.regions import box_shape, collapse, dense_strides
 from ..partition import Partition
-from ..transport.base import P2P, Work
+from ..transport.base import P2P, P2PProgram, Work
 from .geometry import HaloGeometry, WorkerHalo
 
 Box = tuple[tuple[int, int], ...]
@@ -104,6 +104,48 @@ class _Move:
                     recvs.append((True, run, n_i, peer, tag))
         return cls(k, tuple(pack), at_s, tuple(sends), tuple(recvs), _disjoint(unpack), add,
                    f"halo exchange of dim {st.dim}")
+
+
+class _Wired:
+    """A step's :class:`_Move` made ready for working buffers of one shape: the slices of
+    the send/receive buffers it uses, the transport's program for the messages through
+    them (prepared once: MPI persistent requests), the messages that move contiguous runs
+    of ``W`` in place, and -- where the torch packer serves -- each packed box as its view
+    of the buffer with the box's (shape, strides, offset) in a contiguous ``W``."""
+
+    __slots__ = ("move", "send_buf", "recv_bufs", "program", "runs", "pack_views",
+                 "unpack_views")
+
+    def __init__(self, move: _Move, sbuf: torch.Tensor, rbuf: torch.Tensor,
+                 shape: Sequence[int], torch_packer: bool, program_of) -> None:
+        self.move = move
+        self.send_buf = sbuf[:move.pack_n]
+        self.recv_bufs = tuple(rbuf[at:at + n] for at, n, _ in move.unpack)
+        ops = [P2P("recv", rbuf[a:a + n], peer, tag)
+               for run, a, n, peer, tag in move.recvs if not run]
+        ops += [P2P("send", sbuf[a:a + n], peer, tag)
+                for run, a, n, peer, tag in move.sends if not run]
+        self.program: P2PProgram | None = program_of(ops) if ops else None
+        self.runs = tuple((op, a, n, peer, tag) for op, msgs in (("recv", move.recvs),
+                                                                 ("send", move.sends))
+                          for run, a, n, peer, tag in msgs if run)
+        self.pack_views = self.unpack_views = None
+        if torch_packer:
+            strides = dense_strides(shape)
+            self.pack_views = _views(sbuf, move.pack, strides)
+            self.unpack_views = _views(rbuf, [b for _, _, bs in move.unpack for b in bs],
+                                       strides)
+
+
+def _views(buf: torch.Tensor, boxes: Sequence[Box], strides: Sequence[int]) -> tuple:
+    """Per box (in buffer order): (its view of ``buf``, shape, strides, offset in W)."""
+    out, at = [], 0
+    for box in boxes:
+        shape, n = box_shape(box), numel(box)
+        out.append((buf[at:at + n].view(shape), shape, tuple(strides),
+                    sum(lo * st for (lo, _), st in zip(box, strides))))
+        at += n
+    return tuple(out)
 
 
 def _overlap(a: Box, b: Box) -> bool:
@@ -221,7 +263,7 @@ class HaloPlan:
         self.passthrough = not self.steps and not self.only_padding and \
             self.bulk_box == self.out_box == tuple((0, n) for n in self.work_shape)
         self._bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._progs: dict[tuple, list[_Move]] = {}
+        self._progs: dict[tuple, list[_Wired]] = {}
         self._packers = Packers(packer)
         # the slabs of global padding the buffer holds, and W minus out_box (zeroed in the
         # adjoint before the gradient is written)
@@ -261,30 +303,37 @@ class HaloPlan:
         """Post the first step of H (or H*) on ``W``: its messages move while the caller
         computes something that leaves ``W`` alone; :meth:`end` completes the exchange
         (the later steps send what the first one brings: corners)."""
-        moves = self._moves(W, adjoint)
-        return self._post(W, moves[0]) if moves else []
+        steps = self._wired(W, adjoint)
+        return self._post(W, steps[0]) if steps else []
 
     def end(self, W: torch.Tensor, adjoint: bool, works: list[Work]) -> None:
         """Wait for the first step (posted by :meth:`begin`), then run the others."""
-        moves = self._moves(W, adjoint)
-        for i, move in enumerate(moves):
-            self._complete(W, move, works if i == 0 else self._post(W, move))
+        steps = self._wired(W, adjoint)
+        for i, wired in enumerate(steps):
+            self._complete(W, wired, works if i == 0 else self._post(W, wired))
 
     def _moves(self, W: torch.Tensor, adjoint: bool) -> list[_Move]:
         """The steps' messages for buffers shaped like ``W``: forward sends ``send`` boxes
         and overwrites ``recv`` boxes; the adjoint sends ``recv`` boxes back and adds what
-        arrives into ``send`` boxes (dimensions in reverse order). Made once per shape."""
-        key = (tuple(W.shape), W.dtype, W.device, adjoint)
-        moves = self._progs.get(key)
-        if moves is None:
-            moves = []
+        arrives into ``send`` boxes (dimensions in reverse order)."""
+        return [w.move for w in self._wired(W, adjoint)]
+
+    def _wired(self, W: torch.Tensor, adjoint: bool) -> list[_Wired]:
+        """The steps for working buffers shaped like ``W``, made ready once per shape."""
+        key = (W.shape, W.dtype, W.device, adjoint)
+        steps = self._progs.get(key)
+        if steps is None:
+            steps = []
             order = list(enumerate(self.steps))
             for k, st in (reversed(order) if adjoint else order):
                 out, inn = (st.recv, st.send) if adjoint else (st.send, st.recv)
                 tag = self.tag + 2 * st.dim + (1 if adjoint else 0)
-                moves.append(_Move.make(k, st, out, inn, tag, adjoint, W.shape))
-            self._progs[key] = moves
-        return moves
+                move = _Move.make(k, st, out, inn, tag, adjoint, W.shape)
+                steps.append(_Wired(move, *self._buffers(move, W), W.shape,
+                                    self._packers.of(W).name == "torch",
+                                    self.P.world.transport.p2p_program))
+            self._progs[key] = steps
+        return steps
 
     def _buffers(self, move: _Move, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (move.step, W.dtype, W.device)  # one pair per step, serving both directions
@@ -297,27 +346,41 @@ class HaloPlan:
             self._bufs[key] = b
         return b
 
-    def _post(self, W: torch.Tensor, move: _Move) -> list[Work]:
+    def _post(self, W: torch.Tensor, wired: _Wired) -> list[Work]:
         """One step's messages posted: what is not a contiguous run packed, then the
-        receives and the sends in one batch (receives first)."""
-        flat = W.view(-1)
-        sbuf, rbuf = self._buffers(move, W)
-        if move.pack:
-            self._packers.of(W).pack(W, move.pack, out=sbuf[:move.pack_n])
-        ops = [P2P("recv", flat[a:a + n] if run else rbuf[a:a + n], peer, tag)
-               for run, a, n, peer, tag in move.recvs]
-        ops += [P2P("send", flat[a:a + n] if run else sbuf[a:a + n], peer, tag)
-                for run, a, n, peer, tag in move.sends]
-        return self.P.world.transport.batch_p2p(ops)
+        receives and the sends (receives first)."""
+        if wired.pack_views is not None and W.is_contiguous():
+            w0 = W.storage_offset()
+            for view, shape, strides, at in wired.pack_views:
+                view.copy_(W.as_strided(shape, strides, w0 + at))
+        elif wired.move.pack:
+            self._packers.of(W).pack(W, wired.move.pack, out=wired.send_buf)
+        transport = self.P.world.transport
+        if wired.runs:  # contiguous runs of W, sent and received in place
+            flat = W.view(-1)
+            works = transport.batch_p2p([P2P(op, flat[a:a + n], peer, tag)
+                                         for op, a, n, peer, tag in wired.runs])
+            return works + wired.program.start() if wired.program else works
+        return wired.program.start() if wired.program else []
 
-    def _complete(self, W: torch.Tensor, move: _Move, works: list[Work]) -> None:
+    def _complete(self, W: torch.Tensor, wired: _Wired, works: list[Work]) -> None:
         """Wait for one step's messages, then unpack (or add) what arrived."""
+        move = wired.move
         self.P.world.transport.wait(works, move.label)
-        if move.unpack:
-            rbuf = self._buffers(move, W)[1]
-            packer = self._packers.of(W)
-            for at, n, boxes in move.unpack:
-                packer.unpack(rbuf[at:at + n], W, boxes, add=move.add)
+        if not move.unpack:
+            return
+        if wired.unpack_views is not None and W.is_contiguous():
+            w0 = W.storage_offset()
+            for view, shape, strides, at in wired.unpack_views:
+                dst = W.as_strided(shape, strides, w0 + at)
+                if move.add:
+                    dst.add_(view)
+                else:
+                    dst.copy_(view)
+            return
+        packer = self._packers.of(W)
+        for (_, _, boxes), buf in zip(move.unpack, wired.recv_bufs):
+            packer.unpack(buf, W, boxes, add=move.add)
 
     def buffer_ptrs(self) -> dict[tuple, tuple[int, int]]:
         """data_ptr of every cached send/receive buffer pair (to check reuse)."""

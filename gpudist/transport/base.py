@@ -94,6 +94,20 @@ def p2p_label(ops: Sequence[P2P]) -> Label:
     return lambda: f"point-to-point with ranks {sorted({o.peer for o in ops})}"
 
 
+class P2PProgram:
+    """A fixed batch of point-to-point transfers, started again and again on the same
+    buffers (a halo exchange step into its own send/receive buffers): :meth:`start` posts
+    them and returns their Work. This one posts a new batch each time; a backend that can
+    prepare a batch once does (:meth:`Transport.p2p_program`; MPI: persistent requests).
+    The program keeps its tensors alive."""
+
+    def __init__(self, transport: Transport, ops: Sequence[P2P]) -> None:
+        self.transport, self.ops = transport, tuple(ops)
+
+    def start(self) -> list[Work]:
+        return self.transport.batch_p2p(self.ops)
+
+
 class Staging:
     """Host buffers for device tensors a backend cannot take, one per (use, shape, dtype),
     allocated on first use (pinned when CUDA is present) and reused by every later call."""
@@ -193,6 +207,10 @@ class Transport(ABC):
     @abstractmethod
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         """Start all sends/receives at once (order-independent, deadlock-free)."""
+
+    def p2p_program(self, ops: Sequence[P2P]) -> P2PProgram:
+        """``ops`` prepared to be started many times (their tensors stay the same)."""
+        return P2PProgram(self, ops)
 
     # -- collectives over a group (all start asynchronously) ----------------
     @abstractmethod

@@ -10,13 +10,15 @@ world's wait loop, so a missing peer raises instead of hanging.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
 from ..control import Label
 from ..errors import DeviceError
-from .base import P2P, Group, Staging, Transport, Work, p2p_label
+from .base import P2P, Group, P2PProgram, Staging, Transport, Work, p2p_label
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -68,6 +70,7 @@ class MPITransport(Transport):
         self.staging = Staging()
         self._address = MPI.buffer.fromaddress
         self._groups: dict[tuple[int, ...], Group] = {}
+        self._programs: weakref.WeakSet = weakref.WeakSet()  # freed before MPI_Finalize
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
         self.world_meta = self.comm.Dup()
@@ -166,6 +169,16 @@ class MPITransport(Transport):
         what = p2p_label(ops)
         return [Work(what, done, finish if back else None, spin=True, keep=keep)]
 
+    def p2p_program(self, ops: Sequence[P2P]) -> P2PProgram:
+        """Host buffers MPI takes as they are become persistent requests (made once,
+        started by one ``Startall`` per call); anything else is posted anew each time."""
+        if all(not o.tensor.is_cuda and not self.stage_all and o.tensor.is_contiguous()
+               for o in ops) and ops:
+            p = _Persistent(self, ops)
+            self._programs.add(p)
+            return p
+        return P2PProgram(self, ops)
+
     def broadcast(self, tensor, src, group):
         what = group.doing(f"broadcast from {src}")
         key = ("bcast", group.ranks, src)
@@ -233,5 +246,45 @@ class MPITransport(Transport):
         return self._work(req, group.doing("metadata exchange"), None)
 
     def finalize(self) -> None:
+        for p in list(self._programs):
+            p.free()
         self._groups.clear()
         self.staging.clear()
+
+
+class _Persistent(P2PProgram):
+    """A batch of MPI persistent requests (``Send_init``/``Recv_init`` on buffers that live
+    as long as the program). A start while the previous one never completed (its wait
+    failed) posts a fresh batch instead of restarting live requests."""
+
+    def __init__(self, transport: MPITransport, ops: Sequence[P2P]) -> None:
+        super().__init__(transport, ops)
+        comm, spec = transport.comm, transport._spec
+        self.reqs = [comm.Send_init(spec(o.tensor, False), dest=o.peer, tag=o.tag)
+                     if o.op == "send" else
+                     comm.Recv_init(spec(o.tensor, False), source=o.peer, tag=o.tag)
+                     for o in self.ops]
+        self._active = [False]  # shared with the finalizer: a live request is not freed
+        self._startall = partial(transport.MPI.Prequest.Startall, self.reqs)
+        self._done = partial(transport.MPI.Request.Testall, self.reqs)
+        self._what = p2p_label(self.ops)
+        self.free = weakref.finalize(self, _free, transport.MPI, self.reqs, self._active)
+
+    def _finish(self) -> None:
+        self._active[0] = False
+
+    def start(self) -> list[Work]:
+        if self._active[0]:
+            return self.transport.batch_p2p(self.ops)
+        self._startall()
+        self._active[0] = True
+        return [Work(self._what, self._done, self._finish, spin=True)]
+
+
+def _free(MPI, reqs, active: list[bool]) -> None:
+    """Free persistent requests (not live ones, not once MPI is finalized)."""
+    if active[0] or MPI.Is_finalized():
+        return
+    for r in reqs:
+        if r != MPI.REQUEST_NULL:
+            r.Free()
