@@ -313,3 +313,46 @@ def _in_flight_body_raises(gshape, pshape):
 def test_in_flight_exchange_completes_when_the_body_raises(cluster, backend):
     res = cluster.run(4, _in_flight_body_raises, (1, 2, 7, 9), (1, 1, 2, 2), backend=backend)
     assert res == [(True, True, True)] * 4, res
+
+
+def _programs():
+    """A transport's prepared point-to-point batch (MPI: persistent requests) between two
+    ranks, started several times: data right each time, also when a start comes before
+    the previous one completed (then a fresh batch goes out), and freed when asked."""
+    from gpudist.transport.base import P2P, P2PProgram
+
+    w = gpudist.world()
+    tr, peer = w.transport, 1 - w.rank
+    send, recv = torch.empty(5), torch.empty(5)
+    prog = tr.p2p_program([P2P("recv", recv, peer, 7), P2P("send", send, peer, 7)])
+    facts = {"persistent": type(prog) is not P2PProgram}
+    got = []
+    for k in range(3):
+        send.fill_(10 * k + w.rank)
+        tr.wait(prog.start(), "program")
+        got.append(recv.tolist() == [10.0 * k + peer] * 5)
+    facts["repeated"] = all(got)
+    send.fill_(100 + w.rank)
+    first = prog.start()
+    second = prog.start()  # the first is still live: posted as a new batch
+    tr.wait(first + second, "program twice")
+    facts["overlapping"] = recv.tolist() == [100.0 + peer] * 5
+    send.fill_(200 + w.rank)
+    tr.wait(prog.start(), "program after")
+    facts["after"] = recv.tolist() == [200.0 + peer] * 5
+    if facts["persistent"]:
+        prog.free()
+        facts["freed"] = all(r == tr.MPI.REQUEST_NULL for r in prog.reqs)
+        staged, tr.stage_all = tr.stage_all, True  # what MPI cannot take as it is
+        try:
+            facts["staged_is_plain"] = type(tr.p2p_program(
+                [P2P("send", send, peer, 8)])) is P2PProgram
+        finally:
+            tr.stage_all = staged
+    return facts
+
+
+def test_p2p_program_repeats_and_overlaps(cluster, backend):
+    for facts in cluster.run(2, _programs, backend=backend):
+        assert facts.pop("persistent") == (backend == "mpi"), facts
+        assert len(facts) == (5 if backend == "mpi" else 3) and all(facts.values()), facts
