@@ -43,8 +43,8 @@ def rows_table(rows: list[dict], cols: list[str]) -> list[str]:
 
 
 COLS = {
-    "halo": ["backend", "mode", "gpudist_ms", "raw_pack_ms", "raw_inplace_ms", "ratio",
-             "ratio_inplace"],
+    "halo": ["backend", "mode", "gpudist_ms", "raw_pack_ms", "raw_inplace_ms",
+             "raw_persist_ms", "ratio", "ratio_inplace", "ratio_persist"],
     "layers": ["case", "backend", "ranks", "partition", "global_shape", "gpudist_ms",
                "reference_ms", "ratio", "peak_mem_MiB_max_rank"],
 }
