@@ -1,5 +1,7 @@
 """Primitives: forward against the definition, adjoint test, errors on every rank."""
 
+import os
+
 import pytest
 import torch
 
@@ -255,3 +257,41 @@ def test_errors_on_every_rank(cluster, backend, fn, n, err, text):
     for r, e in enumerate(errs):
         assert e is not None, f"rank {r} raised nothing"
         assert e.type == err and text in e.message, (r, e.type, e.message)
+
+
+def _reduce_programs():
+    """A transport's prepared reduce (MPI: a persistent collective) over 3 ranks into
+    rank 1, started several times: the sum each time, also after a wait that failed (then
+    an ``MPI_Ireduce`` goes out on the same buffer), and freed when asked."""
+    w = gpudist.world()
+    tr = w.transport
+    g = tr.group(range(w.size))
+    prog = tr.reduce_program((2, 3), torch.float64, 1, g)
+    facts = {"made": prog is not None, "expected": getattr(tr, "persistent", False)}
+    if prog is None:
+        return facts
+    facts["unavailable_for_half"] = tr.reduce_program((2,), torch.float16, 1, g) is None
+    sums = []
+    for k in range(3):
+        prog.buffer.fill_(k + w.rank)
+        tr.wait([prog.start()], "reduce program")
+        sums.append(w.rank != 1 or prog.buffer.tolist() == [[3.0 * k + 3] * 3] * 2)
+        sums.append(w.rank == 1 or torch.equal(prog.buffer, torch.full((2, 3), k + w.rank,
+                                                                       dtype=torch.float64)))
+    facts["repeated"] = all(sums)
+    prog._active[0] = True  # as after a wait that failed: the request is not restarted
+    prog.buffer.fill_(2.0)
+    tr.wait([prog.start()], "reduce program after a failed wait")  # an MPI_Ireduce
+    facts["after_failed_wait"] = w.rank != 1 or prog.buffer.tolist() == [[6.0] * 3] * 2
+    prog._active[0] = False
+    prog.free()
+    facts["freed"] = all(r == tr.MPI.REQUEST_NULL for r in prog.reqs)
+    return facts
+
+
+def test_reduce_program(cluster, backend):
+    for facts in cluster.run(3, _reduce_programs, backend=backend):
+        made = facts.pop("made")  # on MPI unless GPUDIST_MPI_PERSISTENT=0
+        assert made == facts.pop("expected") and made == (backend == "mpi") or \
+            os.environ.get("GPUDIST_MPI_PERSISTENT") == "0" and not made, facts
+        assert len(facts) == (4 if made else 0) and all(facts.values()), facts

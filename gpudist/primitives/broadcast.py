@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..buffers import LRU
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
@@ -77,6 +78,7 @@ class FanPlan:
         self.one_first = (self.mine_one is None or self.mine_many is None
                           or self.fans.index(self.mine_one) <= self.fans.index(self.mine_many))
         self.identity = all(f.many == (f.one,) for f in self.fans)
+        self._programs = LRU(self.world.cache_size)  # reduce programs per block shape
 
     def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
@@ -95,26 +97,48 @@ class FanPlan:
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None, scratch: torch.Tensor | None
                ) -> torch.Tensor | None:
         """'many' workers send ``x`` (through ``scratch`` where the backend may overwrite
-        its input); each 'one' worker returns its fan's sum in ``out``."""
+        its input); each 'one' worker returns its fan's sum in ``out``. Where the backend
+        prepares reduces (MPI: persistent requests), each side goes through its fan's
+        program buffer instead (made at first use, in the collectives' order)."""
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends = many is not None and many.one != me and many.group is not None
+        mine = None  # my fan's program, read back into ``out`` after the wait
         for part in (("recv", "send") if self.one_first else ("send", "recv")):
             if part == "send" and sends:
+                prog = self._program("send", many, x)
+                if prog is not None:
+                    prog.buffer.copy_(x)
+                    works.append(prog.start())
+                    continue
                 if scratch is not None:  # the backend may use its input as scratch
                     scratch.copy_(x)
                 works.append(tr.reduce(x if scratch is None else scratch, many.one,
                                        many.group))
             elif part == "recv" and one is not None:
+                mine = self._program("recv", one, out) if one.group is not None else None
+                acc = out if mine is None else mine.buffer
                 if me in one.many:
-                    out.copy_(x)
+                    acc.copy_(x)
                 else:
-                    out.zero_()
-                if one.group is not None:
+                    acc.zero_()
+                if mine is not None:
+                    works.append(mine.start())
+                elif one.group is not None:
                     works.append(tr.reduce(out, me, one.group))
         tr.wait(works)
+        if mine is not None:
+            out.copy_(mine.buffer)
         return out
 
+    def _program(self, role: str, fan: _Fan, x: torch.Tensor):
+        """The transport's reduce program for ``fan`` and sums shaped like ``x`` (None:
+        the backend has none, or ``x`` is not host memory)."""
+        if x.is_cuda:
+            return None
+        key = (role, fan.one, tuple(x.shape), x.dtype)
+        return self._programs.get_or_make(key, lambda: self.world.transport.reduce_program(
+            x.shape, x.dtype, fan.one, fan.group))
 
 def _transposed(spec: TensorSpec) -> TensorSpec:
     return TensorSpec(spec.partition.transpose(), spec.global_shape, spec.dtype,
