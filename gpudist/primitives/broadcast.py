@@ -78,7 +78,10 @@ class FanPlan:
         self.one_first = (self.mine_one is None or self.mine_many is None
                           or self.fans.index(self.mine_one) <= self.fans.index(self.mine_many))
         self.identity = all(f.many == (f.one,) for f in self.fans)
-        self._programs = LRU(self.world.cache_size)  # reduce programs per block shape
+        # reduce programs per (role, fan): one LRU each, so that every member of a fan
+        # sees the same calls and evicts (and makes again: MPI_Reduce_init is
+        # collective) the same programs; one LRU for both roles would not
+        self._programs: dict[tuple[str, int], LRU] = {}
 
     def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
@@ -136,9 +139,11 @@ class FanPlan:
         the backend has none, or ``x`` is not host memory)."""
         if x.is_cuda:
             return None
-        key = (role, fan.one, tuple(x.shape), x.dtype)
-        return self._programs.get_or_make(key, lambda: self.world.transport.reduce_program(
-            x.shape, x.dtype, fan.one, fan.group))
+        lru = self._programs.get((role, fan.one))
+        if lru is None:
+            lru = self._programs[(role, fan.one)] = LRU(self.world.cache_size)
+        return lru.get_or_make((tuple(x.shape), x.dtype), lambda: (
+            self.world.transport.reduce_program(x.shape, x.dtype, fan.one, fan.group)))
 
 def _transposed(spec: TensorSpec) -> TensorSpec:
     return TensorSpec(spec.partition.transpose(), spec.global_shape, spec.dtype,
