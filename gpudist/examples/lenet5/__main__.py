@@ -21,7 +21,7 @@ import torch
 from .. import mnist
 from ..common import DTYPES, UsageError
 from .network import layout_for, supported_ranks
-from .train import Config, run_rank
+from .train import Config, rank_task, run_rank
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,12 +85,6 @@ def _quiet() -> None:
 
 
 
-def _task(cfg: Config, seq_threads: int, out: str, started: float) -> dict | None:
-    """One rank of a :mod:`gpudist.launch` pool (the world is already joined)."""
-    _quiet()
-    return run_rank(cfg, seq_threads, Path(out), started)
-
-
 def _spawn(a: argparse.Namespace, started: float) -> int:
     """Start ``--ranks`` local ranks (forked gloo/NCCL, or mpiexec) with gpudist.launch."""
     from gpudist import launch
@@ -106,7 +100,7 @@ def _spawn(a: argparse.Namespace, started: float) -> int:
     if backend == "gloo" and a.device.startswith("cuda"):
         backend = "gloo-spawn"  # a parent holding a CUDA context must not fork
     try:
-        launch.run(_task, n, config_from(a), a.seq_threads or _cores(), a.out, started,
+        launch.run(rank_task, n, config_from(a), a.seq_threads or _cores(), a.out, started,
                    backend=backend, **kw)
     except launch.RankFailure as e:
         print(f"error: {e}", file=sys.stderr)

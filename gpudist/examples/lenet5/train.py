@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -162,6 +163,13 @@ def train(cfg: Config, trial: int, net: nn.Module, step_fn, data: Data | None,
             accuracy(net, None, None, cfg.n_test, cfg.batch_size, blank, dist)
         hist.eval_seconds.append(time.perf_counter() - t1)
     return hist
+
+
+def rank_task(cfg: Config, seq_threads: int, out: str, started: float) -> dict | None:
+    """One rank of a :mod:`gpudist.launch` pool (the world is already joined). Defined here,
+    not in ``__main__``: an mpiexec-started rank finds it by this module's name."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    return run_rank(cfg, seq_threads, Path(out), started)
 
 
 def run_rank(cfg: Config, seq_threads: int, out_dir: Path, started: float,
