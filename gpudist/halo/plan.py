@@ -13,7 +13,9 @@ waits for it and runs the rest, so a caller can compute in between); forward rec
 overwrite the halos, adjoint receives are *added* into the bulk (the adjoint of a copy is
 an add). Boxes that are one contiguous run of ``W`` go to and from the backend in place;
 the others are packed/unpacked, both faces of a step in one kernel call, through
-send/receive buffers kept per dtype/device.
+send/receive buffers kept per dtype/device. Each step is made ready once per buffer shape
+(:class:`_Wired`): its messages through those buffers become the transport's
+``p2p_program`` (MPI: persistent requests), and the torch packer's box views are made.
 """
 
 from __future__ import annotations
@@ -312,14 +314,11 @@ class HaloPlan:
         for i, wired in enumerate(steps):
             self._complete(W, wired, works if i == 0 else self._post(W, wired))
 
-    def _moves(self, W: torch.Tensor, adjoint: bool) -> list[_Move]:
-        """The steps' messages for buffers shaped like ``W``: forward sends ``send`` boxes
-        and overwrites ``recv`` boxes; the adjoint sends ``recv`` boxes back and adds what
-        arrives into ``send`` boxes (dimensions in reverse order)."""
-        return [w.move for w in self._wired(W, adjoint)]
-
     def _wired(self, W: torch.Tensor, adjoint: bool) -> list[_Wired]:
-        """The steps for working buffers shaped like ``W``, made ready once per shape."""
+        """The steps for working buffers shaped like ``W``, made ready once per shape:
+        forward sends ``send`` boxes and overwrites ``recv`` boxes; the adjoint sends
+        ``recv`` boxes back and adds what arrives into ``send`` boxes (dimensions in
+        reverse order)."""
         key = (W.shape, W.dtype, W.device, adjoint)
         steps = self._progs.get(key)
         if steps is None:
