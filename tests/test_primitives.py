@@ -20,6 +20,7 @@ from gpudist.primitives import (
     zero_volume,
 )
 from gpudist.testing import adjoint_mismatch
+from tests.conftest import HAS_MPI
 from tests.util import block_of, global_tensor
 
 BLOCK = (3, 5)
@@ -267,7 +268,7 @@ def _reduce_programs():
     tr = w.transport
     g = tr.group(range(w.size))
     prog = tr.reduce_program((2, 3), torch.float64, 1, g)
-    facts = {"made": prog is not None, "expected": getattr(tr, "persistent", False)}
+    facts = {"made": prog is not None, "expected": getattr(tr, "persistent_reduce", False)}
     if prog is None:
         return facts
     facts["unavailable_for_half"] = tr.reduce_program((2,), torch.float16, 1, g) is None
@@ -325,3 +326,31 @@ def test_fan_reduce_programs_evicted_alike(cluster, backend, n_shapes):
                       timeout=60)
     assert all(ok for ok, _ in res), res
     assert all(n_shapes > size / 2 for _, size in res), res
+
+
+def _persistence_agreed():
+    """One rank turns persistent requests off: reduce programs (collective) are then made
+    on no rank, whatever the others' environment says."""
+    from gpudist.transport.mpi import MPITransport
+
+    w = gpudist.world()
+    old = os.environ.get("GPUDIST_MPI_PERSISTENT")
+    os.environ["GPUDIST_MPI_PERSISTENT"] = "0" if w.rank == 1 else "1"
+    try:
+        t = MPITransport()  # collective over the world, like the world's own
+    finally:
+        if old is None:
+            del os.environ["GPUDIST_MPI_PERSISTENT"]
+        else:
+            os.environ["GPUDIST_MPI_PERSISTENT"] = old
+    made = t.reduce_program((3,), torch.float64, 0, t.group(range(w.size)))
+    t.finalize()
+    t.world_meta.Free()
+    return t.persistent, t.persistent_reduce, made is None
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
+def test_reduce_programs_need_every_rank(cluster):
+    res = cluster.run(3, _persistence_agreed, backend="mpi")
+    assert [r[0] for r in res] == [True, False, True], res
+    assert all(r[1] is False and r[2] for r in res), res
