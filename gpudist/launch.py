@@ -158,6 +158,7 @@ class RankPool:
         """
         if not self.conns:
             raise RankFailure("the rank pool is closed")
+        self._check_sendable(fn)
         for c in self.conns:
             c.send((fn, args, kwargs))
         results: list = [None] * self.size
@@ -201,6 +202,10 @@ class RankPool:
 
     def close(self, kill: bool = False) -> None:
         raise NotImplementedError
+
+    def _check_sendable(self, fn: Callable) -> None:
+        """Functions go to the ranks by name; a pool whose ranks are not forks of this
+        process finds them only in an importable module."""
 
 
 class ForkPool(RankPool):
@@ -271,6 +276,13 @@ class MPIPool(RankPool):
                 raise RankFailure(f"mpiexec -n {size} did not start its ranks: {e}") from e
             conns[c.recv()] = c
         self.conns = [conns[i] for i in range(size)]
+
+    def _check_sendable(self, fn: Callable) -> None:
+        if getattr(fn, "__module__", None) == "__main__":
+            raise RankFailure(
+                f"{getattr(fn, '__qualname__', fn)!r} is defined in __main__: ranks started "
+                f"by mpiexec import the functions they run by module name, so define it in "
+                f"a module (importable on PYTHONPATH, e.g. through pythonpath=[...])")
 
     def _kill(self) -> None:
         if self.proc.poll() is None:

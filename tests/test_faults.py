@@ -370,3 +370,22 @@ def test_input_dtype_against_parameters(cluster, backend):
     res = cluster.run(4, _input_dtype_vs_parameters, backend=backend)
     assert all(e is not None and "float32" in e and "float64" in e for e, _ in res), res
     assert all(s == (2, 3, 8, 8) for _, s in res), res
+
+
+def _answer():
+    return 42
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
+def test_mpi_pool_refuses_functions_of_main(cluster):
+    """mpiexec-started ranks import a task by module name: one defined in ``__main__`` is
+    refused with a message that says so, and the pool stays usable."""
+    from gpudist.launch import RankFailure
+
+    def task():
+        return 1
+
+    task.__module__ = "__main__"
+    with pytest.raises(RankFailure, match="defined in __main__"):
+        cluster.run(2, task, backend="mpi")
+    assert cluster.run(2, _answer, backend="mpi") == [42, 42]

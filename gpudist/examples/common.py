@@ -3,6 +3,8 @@ progress bar, the loss plots and the results files."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 import time
@@ -109,6 +111,30 @@ class UsageError(ValueError):
     """A command-line argument the example cannot run with (exit status 2)."""
 
 
+def run_captured(fn: Callable, *args) -> tuple[object, str]:
+    """``fn(*args)`` on a rank, and what it printed to stdout, returned instead of printed
+    (see :func:`launch_example`)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        out = fn(*args)
+    return out, buf.getvalue()
+
+
+def launch_example(task: Callable, n: int, *args, backend: str, **kw) -> list:
+    """``gpudist.launch.run(task, n, *args)``. Ranks started by mpiexec print through it,
+    and it dropped the ranks' last output now and then as the job ended (2 cores under
+    load: 1 run in 5); their stdout comes back with the results and is printed here."""
+    from gpudist import launch
+
+    if backend != "mpi":
+        return launch.run(task, n, *args, backend=backend, **kw)
+    res = launch.run(run_captured, n, task, *args, backend=backend, **kw)
+    for _, text in res:
+        if text:
+            print(text, end="", flush=True)
+    return [r for r, _ in res]
+
+
 def run_example(task: Callable, a, make_config: Callable, check: Callable[[], None],
                 started: float) -> int:
     """Start ``a.ranks`` ranks on ``a.backend`` and run ``task(config, a.out, started)`` on
@@ -124,8 +150,8 @@ def run_example(task: Callable, a, make_config: Callable, check: Callable[[], No
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        launch.run(task, a.ranks, make_config(a), a.out, started, backend=a.backend,
-                   comm_timeout=a.timeout)
+        launch_example(task, a.ranks, make_config(a), a.out, started, backend=a.backend,
+                       comm_timeout=a.timeout)
     except launch.RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import mnist
-from ..common import DTYPES, UsageError
+from ..common import DTYPES, UsageError, launch_example
 from .network import layout_for, supported_ranks
 from .train import Config, rank_task, run_rank
 
@@ -100,8 +100,8 @@ def _spawn(a: argparse.Namespace, started: float) -> int:
     if backend == "gloo" and a.device.startswith("cuda"):
         backend = "gloo-spawn"  # a parent holding a CUDA context must not fork
     try:
-        launch.run(rank_task, n, config_from(a), a.seq_threads or _cores(), a.out, started,
-                   backend=backend, **kw)
+        launch_example(rank_task, n, config_from(a), a.seq_threads or _cores(), a.out, started,
+                       backend=backend, **kw)
     except launch.RankFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
