@@ -38,13 +38,7 @@ class _P2P(RawBackend):
     def exchange(self, pairs) -> None:
         """pairs: [(peer, send_buf, recv_buf)] all posted at once, then waited."""
         if self.mpi:
-            reqs = []
-            for peer, s, r in pairs:
-                if r is not None:
-                    reqs.append(self.comm.Irecv(r.numpy(), source=peer, tag=11))
-                if s is not None:
-                    reqs.append(self.comm.Isend(s.numpy(), dest=peer, tag=11))
-            self.MPI.Request.Waitall(reqs)
+            self.MPI.Request.Waitall(self._requests(pairs, self.comm.Irecv, self.comm.Isend))
         else:
             works = []
             for peer, s, r in pairs:
@@ -57,12 +51,17 @@ class _P2P(RawBackend):
 
     def persistent(self, pairs):
         """MPI persistent requests for ``exchange(pairs)``: start with :meth:`run`."""
+        return self._requests(pairs, self.comm.Recv_init, self.comm.Send_init, tag=12)
+
+    @staticmethod
+    def _requests(pairs, recv, send, tag: int = 11) -> list:
+        """MPI requests for [(peer, send_buf, recv_buf)], receives before sends per peer."""
         reqs = []
         for peer, s, r in pairs:
             if r is not None:
-                reqs.append(self.comm.Recv_init(r.numpy(), source=peer, tag=12))
+                reqs.append(recv(r.numpy(), source=peer, tag=tag))
             if s is not None:
-                reqs.append(self.comm.Send_init(s.numpy(), dest=peer, tag=12))
+                reqs.append(send(s.numpy(), dest=peer, tag=tag))
         return reqs
 
     def run(self, reqs) -> None:

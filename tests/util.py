@@ -1,6 +1,7 @@
 """Helpers shared by multi-rank tests (run inside rank pools)."""
 
 import math
+import os
 
 import torch
 
@@ -76,3 +77,13 @@ def global_checkpoint_roundtrip(build, path: str, prepare=None):
     same = all(torch.equal(p, q) for k in a for p, q in
                zip(a[k].parameters(), b[k].parameters()))
     return a, b, loaded, sd2, same
+
+
+def assert_program_facts(facts: dict, backend: str, made_key: str, n_facts) -> None:
+    """A rank's facts about a transport program: made (persistent) on MPI unless
+    GPUDIST_MPI_PERSISTENT=0 turned it off, as the rank's transport expected; then
+    ``n_facts(made)`` more facts, every one true."""
+    made = facts.pop(made_key)
+    assert made == facts.pop("expected") and made == (backend == "mpi") or \
+        os.environ.get("GPUDIST_MPI_PERSISTENT") == "0" and not made, facts
+    assert len(facts) == n_facts(made) and all(facts.values()), facts

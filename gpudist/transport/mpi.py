@@ -105,6 +105,10 @@ class MPITransport(Transport):
         """Whether MPI takes ``t``'s memory as it is."""
         return not self.stage_all and (not t.is_cuda or self.cuda_aware)
 
+    def _by_address(self, t: torch.Tensor) -> bool:
+        """Host memory MPI takes by address as it is (no staging, no check needed)."""
+        return not t.is_cuda and not self.stage_all and t.is_contiguous()
+
     def _spec(self, t: torch.Tensor, typed: bool):
         """MPI buffer spec of a contiguous tensor MPI can read (host, or device if aware).
         Host memory is handed over by address (a NumPy view costs 2-5x more per call): the
@@ -163,7 +167,7 @@ class MPITransport(Transport):
         reqs, back, keep = [], [], []
         for o in ops:
             t = o.tensor
-            if not t.is_cuda and not self.stage_all and t.is_contiguous():
+            if self._by_address(t):
                 buf, staged = self._spec(t, False), t  # the common case
             elif o.op == "send":
                 buf, staged = self._src(("p2p", o.op, o.peer, o.tag), t)
@@ -190,9 +194,7 @@ class MPITransport(Transport):
     def p2p_program(self, ops: Sequence[P2P]) -> P2PProgram:
         """Host buffers MPI takes as they are become persistent requests (made once,
         started by one ``Startall`` per call); anything else is posted anew each time."""
-        if self.persistent and ops and all(
-                not o.tensor.is_cuda and not self.stage_all and o.tensor.is_contiguous()
-                for o in ops):
+        if self.persistent and ops and all(self._by_address(o.tensor) for o in ops):
             p = _Persistent(self, ops)
             self._programs.add(p)
             return p
@@ -286,6 +288,32 @@ class MPITransport(Transport):
         self.staging.clear()
 
 
+class _Requests:
+    """MPI persistent requests made once and started together: :meth:`start` posts them
+    all (None while an earlier start never completed: its wait failed); ``free()`` frees
+    them (not while live, not once MPI is finalized; also when garbage-collected)."""
+
+    def __init__(self, MPI, reqs: list, what: Label, keep: object = None) -> None:
+        self.reqs, self._what, self._keep = reqs, what, keep
+        self._active = [False]  # shared with the finalizer
+        if len(reqs) == 1:  # one request (a reduce): its own Start/Test (Testall errs
+            self._startall, self._done = reqs[0].Start, reqs[0].Test  # on it, MPICH 5)
+        else:
+            self._startall = partial(MPI.Prequest.Startall, reqs)
+            self._done = partial(MPI.Request.Testall, reqs)
+        self.free = weakref.finalize(self, _free, MPI, reqs, self._active)
+
+    def _finish(self) -> None:
+        self._active[0] = False
+
+    def start(self) -> Work | None:
+        if self._active[0]:
+            return None
+        self._startall()
+        self._active[0] = True
+        return Work(self._what, self._done, self._finish, spin=True, keep=self._keep)
+
+
 class _Persistent(P2PProgram):
     """A batch of MPI persistent requests (``Send_init``/``Recv_init`` on buffers that live
     as long as the program). A start while the previous one never completed (its wait
@@ -294,25 +322,15 @@ class _Persistent(P2PProgram):
     def __init__(self, transport: MPITransport, ops: Sequence[P2P]) -> None:
         super().__init__(transport, ops)
         comm, spec = transport.comm, transport._spec
-        self.reqs = [comm.Send_init(spec(o.tensor, False), dest=o.peer, tag=o.tag)
-                     if o.op == "send" else
-                     comm.Recv_init(spec(o.tensor, False), source=o.peer, tag=o.tag)
-                     for o in self.ops]
-        self._active = [False]  # shared with the finalizer: a live request is not freed
-        self._startall = partial(transport.MPI.Prequest.Startall, self.reqs)
-        self._done = partial(transport.MPI.Request.Testall, self.reqs)
-        self._what = p2p_label(self.ops)
-        self.free = weakref.finalize(self, _free, transport.MPI, self.reqs, self._active)
-
-    def _finish(self) -> None:
-        self._active[0] = False
+        self.requests = _Requests(transport.MPI, [
+            comm.Send_init(spec(o.tensor, False), dest=o.peer, tag=o.tag) if o.op == "send"
+            else comm.Recv_init(spec(o.tensor, False), source=o.peer, tag=o.tag)
+            for o in self.ops], p2p_label(self.ops))
+        self.free = self.requests.free
 
     def start(self) -> list[Work]:
-        if self._active[0]:
-            return self.transport.batch_p2p(self.ops)
-        self._startall()
-        self._active[0] = True
-        return [Work(self._what, self._done, self._finish, spin=True)]
+        w = self.requests.start()
+        return [w] if w is not None else self.transport.batch_p2p(self.ops)
 
 
 def _free(MPI, reqs, active: list[bool]) -> None:
@@ -331,26 +349,18 @@ class _PersistentReduce(ReduceProgram):
     def __init__(self, transport: MPITransport, shape: tuple[int, ...], dtype: torch.dtype,
                  dst: int, group: Group) -> None:
         MPI = transport.MPI
-        self.transport, self.group, self.dst = transport, group, dst
         self.buffer = torch.zeros(shape, dtype=dtype)
-        spec = transport._spec(self.buffer, True)
-        self.root = group.index(dst)
+        spec, root = transport._spec(self.buffer, True), group.index(dst)
         if transport.rank == dst:
-            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=MPI.SUM, root=self.root)
+            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=MPI.SUM, root=root)
         else:
-            req = group.handle.Reduce_init(spec, None, op=MPI.SUM, root=self.root)
-        self.reqs = [req]
-        self._active = [False]
-        self._what = group.doing(f"reduce to {dst}")
-        self.free = weakref.finalize(self, _free, MPI, self.reqs, self._active)
-
-    def _finish(self) -> None:
-        self._active[0] = False
+            req = group.handle.Reduce_init(spec, None, op=MPI.SUM, root=root)
+        self.requests = _Requests(MPI, [req], group.doing(f"reduce to {dst}"), self.buffer)
+        self.free = self.requests.free
 
     def start(self) -> Work:
-        if self._active[0]:
-            raise WorldAborted(f"{label_text(self._what)}: started again while its last "
-                               f"start never completed (a wait that failed)")
-        self.reqs[0].Start()
-        self._active[0] = True
-        return Work(self._what, self.reqs[0].Test, self._finish, spin=True, keep=self.buffer)
+        w = self.requests.start()
+        if w is None:
+            raise WorldAborted(f"{label_text(self.requests._what)}: started again while "
+                               f"its last start never completed (a wait that failed)")
+        return w

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from .. import mnist
 from ..common import DTYPES, UsageError, launch_example
 from .network import layout_for, supported_ranks
-from .train import Config, rank_task, run_rank
+from .train import Config, quiet, rank_task, run_rank
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,12 +78,6 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _quiet() -> None:
-    # torch.distributed deprecation notices, once per rank, are noise in a demo
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-
-
-
 def _spawn(a: argparse.Namespace, started: float) -> int:
     """Start ``--ranks`` local ranks (forked gloo/NCCL, or mpiexec) with gpudist.launch."""
     from gpudist import launch
@@ -112,7 +105,7 @@ def _env(a: argparse.Namespace, started: float) -> int:
     import gpudist
 
     torch.set_num_threads(1)
-    _quiet()
+    quiet()
     w = gpudist.init(backend=a.backend, device=a.device, timeout=a.timeout)
     try:
         if a.ranks is not None and a.ranks != w.size:

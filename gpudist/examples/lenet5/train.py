@@ -165,10 +165,15 @@ def train(cfg: Config, trial: int, net: nn.Module, step_fn, data: Data | None,
     return hist
 
 
+def quiet() -> None:
+    """torch.distributed deprecation notices, once per rank, are noise in a demo."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+
+
 def rank_task(cfg: Config, seq_threads: int, out: str, started: float) -> dict | None:
     """One rank of a :mod:`gpudist.launch` pool (the world is already joined). Defined here,
     not in ``__main__``: an mpiexec-started rank finds it by this module's name."""
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    quiet()
     return run_rank(cfg, seq_threads, Path(out), started)
 
 
