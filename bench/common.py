@@ -21,6 +21,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -171,10 +172,29 @@ class Timer:
 
 
 def stats(ts: Sequence[float]) -> dict:
-    ts = sorted(ts)
-    q = statistics.quantiles(ts, n=4) if len(ts) >= 2 else [ts[0]] * 3
-    return {"median_s": statistics.median(ts), "p25_s": q[0], "p75_s": q[2],
-            "min_s": ts[0], "max_s": ts[-1], "n": len(ts)}
+    """Median, quartiles and extremes of one case's times; ``samples``: the times in
+    repeat order (the same repeat index of two cases ran side by side: :func:`paired`)."""
+    s = sorted(ts)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median_s": statistics.median(s), "p25_s": q[0], "p75_s": q[2],
+            "min_s": s[0], "max_s": s[-1], "n": len(s), "samples": list(ts)}
+
+
+def paired(a: dict, b: dict) -> dict:
+    """The ratio of case ``a`` to case ``b`` (:func:`stats` results of one
+    :meth:`Timer.time` call) as the median of the per-repeat ratios, with a
+    distribution-free ~95 % confidence interval of that median (order statistics).
+
+    Each repeat times both cases back to back, so a repeat's ratio cancels what the machine
+    was doing then (other jobs, frequency changes) that the ratio of the two medians does
+    not; the interval says whether a ratio is above or below a target, or cannot tell."""
+    r = sorted(x / y for x, y in zip(a["samples"], b["samples"]) if y > 0)
+    n = len(r)
+    if n == 0:
+        return {"paired": float("nan"), "paired_lo": float("nan"), "paired_hi": float("nan")}
+    half = 0.98 * math.sqrt(n)  # 1.96 sigma of Binomial(n, 1/2)
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return {"paired": statistics.median(r), "paired_lo": r[lo], "paired_hi": r[hi]}
 
 
 def progress(world, total: int, desc: str, disable: bool = False):

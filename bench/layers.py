@@ -30,7 +30,7 @@ import argparse
 import resource
 from collections.abc import Callable
 
-from .common import Timer, add_common_args, progress, run_suite
+from .common import Timer, add_common_args, paired, progress, run_suite
 
 LAYERS = ["conv2d", "conv2d_copy", "conv2d_serial", "conv2d_chan", "maxpool2d", "avgpool2d",
           "batchnorm2d", "upsample2d", "upsample2d_crop", "linear"]
@@ -163,6 +163,7 @@ def layer_case(args, world, name: str, shape, feat) -> dict | None:
         "global_shape": "x".join(map(str, feat if name == "linear" else shape)),
         "reference": "torch layer (whole tensor)" if n == 1 else "torch op on the block",
         "gpudist_ms": tg * 1e3, "reference_ms": tr * 1e3, "ratio": tg / tr,
+        **paired(res["gpudist"], res["reference"]),
         "gpudist_p25_ms": res["gpudist"]["p25_s"] * 1e3,
         "gpudist_p75_ms": res["gpudist"]["p75_s"] * 1e3,
         "reference_p25_ms": res["reference"]["p25_s"] * 1e3,
@@ -218,7 +219,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["case", "ranks", "partition", "global_shape", "gpudist_ms", "reference_ms", "ratio",
-           "peak_mem_MiB_max_rank"]
+           "paired", "paired_lo", "paired_hi", "peak_mem_MiB_max_rank"]
 
 
 def main(args, argv) -> None:

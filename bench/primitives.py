@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import KiB, MiB, RawBackend, Timer, add_common_args, progress, run_suite
+from .common import KiB, MiB, RawBackend, Timer, add_common_args, paired, progress, run_suite
 
 PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "repartition_pack",
          "allgather", "reducescatter"]
@@ -255,8 +255,9 @@ def _cases(prim: str, size: int, world, hint: bool):
         with torch.no_grad():
             op(xd)
 
-    def ga():
-        local(op(xgd)).backward(dy)
+    def ga():  # the adjoint's output as autograd hands it on (not accumulated into .grad:
+        # the raw pair accumulates nothing either; inside a network it flows to the next op)
+        torch.autograd.grad(local(op(xgd)), xg, dy, allow_unused=True)
 
     return gf, ga, rf, ra
 
@@ -283,6 +284,7 @@ def run(args, world) -> list[dict]:
                         "primitive": prim, "backend": world.backend, "ranks": n,
                         "bytes": size, "mode": mode, "hint": hint,
                         "gpudist_ms": tg * 1e3, "raw_ms": tr * 1e3, "ratio": tg / tr,
+                        **paired(res[g], res[r]),
                         "gpudist_p25_ms": res[g]["p25_s"] * 1e3,
                         "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
                         "raw_p25_ms": res[r]["p25_s"] * 1e3, "raw_p75_ms": res[r]["p75_s"] * 1e3,
@@ -306,7 +308,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["primitive", "bytes", "mode", "hint", "gpudist_ms", "raw_ms", "ratio",
-           "gpudist_busbw_GBs", "raw_busbw_GBs"]
+           "paired", "paired_lo", "paired_hi", "gpudist_busbw_GBs", "raw_busbw_GBs"]
 
 
 def main(args, argv) -> None:

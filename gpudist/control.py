@@ -33,6 +33,8 @@ from .errors import CommTimeout, MismatchError, RemoteError, WorldAborted, is_ev
 
 ABORT_FIRST_CHECK_S = 0.005
 ABORT_EVERY_S = 0.02
+SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
+NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 DEFAULT_DIAG_AFTER_S = float(os.environ.get("GPUDIST_DIAG_AFTER", "2.0"))
 
 
@@ -106,6 +108,8 @@ class Control:
         self._seq: dict[tuple[int, ...], int] = {}
         self._op: Op | None = None
         self.waits = 0  # waits that did not complete at once (for tests and benches)
+        self.spin_s = float(os.environ.get("GPUDIST_SPIN_S", SPIN_S))
+        self.nap_max_s = float(os.environ.get("GPUDIST_NAP_MAX_S", NAP_MAX_S))
 
     # -- the abort flag -----------------------------------------------------------------
     def abort(self, exc: BaseException, where: str = "") -> None:
@@ -167,9 +171,11 @@ class Control:
         """Return when ``done()``; meanwhile watch for aborts, mismatches and the timeout.
 
         ``block(s)`` blocks up to ``s`` seconds for progress (e.g. an Event); without it the
-        loop sleeps with backoff, or only yields when ``spin`` (MPI needs its progress
-        engine driven by ``done()``). ``what`` (a string, or a function making it: only a
-        slow wait needs the text) names the wait in errors.
+        loop sleeps with backoff, or, when ``spin`` (MPI needs its progress engine driven
+        by ``done()``), polls yielding the core for ``spin_s`` (env ``GPUDIST_SPIN_S``) and
+        then naps up to ``nap_max_s`` (``GPUDIST_NAP_MAX_S``) between polls. ``what`` (a
+        string, or a function making it: only a slow wait needs the text) names the wait in
+        errors.
         """
         if self.aborted is not None:
             self.ensure_alive()
@@ -179,20 +185,19 @@ class Control:
         total = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
         next_abort, next_diag = t0 + ABORT_FIRST_CHECK_S, t0 + self.diag_after
-        nap, published, ok, polls = 0.0, False, False, 0
+        nap, published, ok, now = 0.0, False, False, t0
+        # a spinning wait (MPI: data moves only while polled) polls for spin_s, then naps
+        # up to nap_max_s; the others nap from the start, up to 1 ms
+        spin_until, nap_max = (t0 + self.spin_s, self.nap_max_s) if spin else (t0, 1e-3)
         try:
             while True:
-                polls += 1
                 if block is not None:
                     block(0.01)
-                elif spin:  # drive the progress engine; yield the core, nap when long
-                    if polls < 20000:
-                        os.sched_yield()
-                    else:
-                        time.sleep(1e-4)
-                else:
+                elif now < spin_until:  # drive the progress engine, yielding the core
+                    os.sched_yield()
+                else:  # a long wait: nap, so that a peer sharing this core can run
                     time.sleep(nap)
-                    nap = min(1e-3, nap * 2 + 1e-5)
+                    nap = min(nap_max, nap * 2 + 1e-5)
                 if done():
                     ok = True
                     return

@@ -44,6 +44,8 @@ def test_suite_writes_results(tmp_path, suite, extra):
     for r in rows:
         assert r["gpudist_ms"] > 0
         assert r["ratio"] > 0
+        if suite != "scaling":
+            assert r["paired_lo"] <= r["paired"] <= r["paired_hi"], r
     header = cs[0].read_text().splitlines()[0]
     assert "ratio" in header and "gpudist_ms" in header
     if suite == "primitives":
@@ -54,3 +56,19 @@ def test_suite_writes_results(tmp_path, suite, extra):
         assert all("efficiency" in r for r in rows)
     _run(["plot", "--src", str(tmp_path)], tmp_path)
     assert list(tmp_path.glob("*.png"))
+
+
+def test_paired_ratio_cancels_drift():
+    """The paired ratio is the median of per-repeat ratios (drift shared by both cases
+    cancels), and its interval holds it; the ratio of medians would not see the pairing."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import paired, stats
+
+    a = [1.1 * 2 ** (i % 5) for i in range(40)]  # 1.1x b, whatever the machine did
+    b = [2 ** (i % 5) for i in range(40)]
+    p = paired(stats(a), stats(b))
+    assert p["paired"] == pytest.approx(1.1) and p["paired_lo"] == pytest.approx(1.1)
+    c = list(reversed(b))  # the same times, not paired with a's
+    q = paired(stats(a), stats(c))
+    assert q["paired_lo"] < 1.0 < q["paired_hi"]
+    assert stats(a)["median_s"] / stats(c)["median_s"] == pytest.approx(1.1)

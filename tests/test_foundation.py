@@ -1,5 +1,7 @@
 """Launch detection, decomposition, partitions, transports, timeouts, bad input."""
 
+import time
+
 import pytest
 import torch
 
@@ -193,6 +195,27 @@ def _missing_peer():
         return "no error"
     finally:
         w.control.timeout = old
+
+
+def _late_peer():
+    w = gpudist.world()
+    buf = torch.zeros(3)
+    if w.rank == 1:
+        time.sleep(0.6)  # busy elsewhere: rank 0 waits all that time
+        w.transport.wait(w.transport.batch_p2p([P2P("send", torch.ones(3), 0, 998)]))
+        return None
+    wall, cpu = time.perf_counter(), time.process_time()
+    w.transport.wait(w.transport.batch_p2p([P2P("recv", buf, 1, 998)]))
+    return time.perf_counter() - wall, time.process_time() - cpu, buf.tolist()
+
+
+def test_long_wait_leaves_the_core(cluster, backend):
+    """A wait for a peer that is busy elsewhere polls, then naps: it does not burn the core
+    (a rank sharing it, often the very peer it waits for, would run at half speed)."""
+    wall, cpu, got = cluster.run(2, _late_peer, backend=backend)[0]
+    assert got == [1.0, 1.0, 1.0]
+    assert wall > 0.5
+    assert cpu < 0.5 * wall, (cpu, wall)
 
 
 def test_missing_peer_times_out(cluster, backend):
