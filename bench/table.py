@@ -1,5 +1,7 @@
 """Markdown tables from the suites' CSVs (what bench/RESULTS.md quotes): primitives as
-ratio vs size, halo and layers as rows."""
+ratio vs size, halo and layers as rows. A ratio reads ``1.07x (p 1.05 [1.02-1.09])``: the
+ratio of the medians, then the paired ratio (median of the per-repeat ratios) and its
+~95 % interval, where the CSV has them."""
 
 from __future__ import annotations
 
@@ -20,9 +22,18 @@ def primitives(rows: list[dict], mode: str) -> list[str]:
            "|---|---|" + "---|" * len(sizes)]
     for prim in dict.fromkeys(r["primitive"] for r in sel):
         by = {int(r["bytes"]): r for r in sel if r["primitive"] == prim}
-        cells = [f"{float(by[s]['ratio']):.2f}x" if s in by else "-" for s in sizes]
+        cells = [_paired(by[s]) if s in by else "-" for s in sizes]
         out.append(f"| {prim} | {sel[0]['backend']} | " + " | ".join(cells) + " |")
     return out
+
+
+def _paired(r: dict) -> str:
+    """'ratio' of medians, with the paired ratio and its interval where the row has them."""
+    s = f"{float(r['ratio']):.2f}x"
+    if r.get("paired") not in (None, ""):
+        s += f" (p {float(r['paired']):.2f} [{float(r['paired_lo']):.2f}-" \
+             f"{float(r['paired_hi']):.2f}])"
+    return s
 
 
 def rows_table(rows: list[dict], cols: list[str]) -> list[str]:
@@ -30,6 +41,9 @@ def rows_table(rows: list[dict], cols: list[str]) -> list[str]:
     for r in rows:
         cells = []
         for c in cols:
+            if c == "ratio":
+                cells.append(_paired(r))
+                continue
             v = r.get(c, "")
             try:
                 f = float(v)
