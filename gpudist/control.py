@@ -35,6 +35,7 @@ ABORT_FIRST_CHECK_S = 0.005
 ABORT_EVERY_S = 0.02
 SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
+HISTORY = 64  # operators remembered per group for the diagnostics
 DEFAULT_DIAG_AFTER_S = float(os.environ.get("GPUDIST_DIAG_AFTER", "2.0"))
 
 
@@ -106,6 +107,9 @@ class Control:
         self.timeout, self.diag_after = timeout, diag_after
         self.aborted: BaseException | None = None
         self._seq: dict[tuple[int, ...], int] = {}
+        # the last HISTORY operators of each group (ring by sequence number): a peer stuck
+        # at an operator number this rank has passed is checked against what ran here
+        self._past: dict[tuple[int, ...], list[Op | None]] = {}
         self._op: Op | None = None
         self.waits = 0  # waits that did not complete at once (for tests and benches)
         self.spin_s = float(os.environ.get("GPUDIST_SPIN_S", SPIN_S))
@@ -163,7 +167,12 @@ class Control:
         key = group if type(group) is tuple else tuple(group)
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
-        return _Numbered(self, Op(key, seq, what, fingerprint, needs_all))
+        op = Op(key, seq, what, fingerprint, needs_all)
+        past = self._past.get(key)
+        if past is None:
+            past = self._past[key] = [None] * HISTORY
+        past[seq % HISTORY] = op
+        return _Numbered(self, op)
 
     # -- the wait loop --------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], what: Label, timeout: float | None = None,
@@ -258,6 +267,7 @@ class Control:
         for r, st in self._peer_states(op.group).items():
             if not st or "group" not in st:
                 continue
+            self._check_passed(r, st, what)
             same_group = tuple(st["group"]) == op.group
             if same_group and st["seq"] == op.seq and st["fp"] != op.fingerprint:
                 self._mismatch(what, f"ranks disagree at operator #{op.seq} of group "
@@ -269,6 +279,17 @@ class Control:
                                      f"rank {r} waits in {st['what']} (operator #{st['seq']} "
                                      f"of group {st['group']}), which needs this rank, who has "
                                      f"not reached it")
+
+    def _check_passed(self, r: int, st: dict, what: str) -> None:
+        """A peer waiting at an operator number this rank has passed, where this rank ran
+        another operator (e.g. a rank checking a changed input with its peers while they
+        went on into the data exchange, which completed without it)."""
+        g, seq = tuple(st["group"]), st["seq"]
+        past = self._past.get(g)
+        mine = past[seq % HISTORY] if past is not None and self._seq.get(g, 0) > seq else None
+        if mine is not None and mine.seq == seq and mine.fingerprint != st["fp"]:
+            self._mismatch(what, f"rank {r} waits in {st['what']} (operator #{seq} of group "
+                                 f"{list(g)}), where rank {self.rank} ran {mine.what}")
 
     def _deadlocked(self, op: Op, st: dict) -> bool:
         """A peer blocked in a collective I have not reached, while it has not reached
@@ -284,7 +305,8 @@ class Control:
     def _mismatch(self, what: str, text: str) -> None:
         err = MismatchError(
             f"{text} (programs that differ between ranks: a layer or partition skipped or "
-            f"added on some ranks, or a shape change seen by some ranks only)")
+            f"added on some ranks, or an input whose shape, spec or requires_grad differs on "
+            f"some ranks only)")
         self.abort(err, what)
         raise err
 

@@ -6,9 +6,10 @@ every row and raises the same error:
 
 * :func:`derive_spec` -- the global shape of a tensor from its blocks' local shapes (what
   a plain local tensor needs at every call; a :class:`~gpudist.spec.DistTensor` never);
-* :func:`verify` -- run at the first call of every plan: the operator, its configuration,
-  the tensor's spec and whether each rank's block matches it, compared across the
-  participants. Programs that disagree (another layer, another dtype, a lying shape hint)
+* :func:`verify` -- run at the first call of every plan and whenever a rank's call of an
+  operator differs from its previous one: the operator, its configuration, the tensor's
+  spec, whether each rank's block matches it and whether it records the adjoint, compared
+  across the participants. Programs that disagree (another layer, another dtype, a lying shape hint)
   fail here with a message that says what differs on which ranks.
 """
 
@@ -28,6 +29,8 @@ MAGIC = 0x6D657461
 _NAME_WORDS = 3
 ROW = 1 + _NAME_WORDS + 6 + 2 * MAX_DIM
 OK, BAD_BLOCK, ABSENT = 1, 0, 2
+_STATUS_MASK, _GRAD_MASK = 0x7, 0x18  # a verify row's status: block state | grad mode
+_GRAD_BITS = {None: 0, False: 0x8, True: 0x10}
 META_FP = 0x4D455441
 _DEVICES = ("cpu", "cuda")
 
@@ -179,15 +182,19 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
 
 
 def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
-           local_ok: bool, ranks: Sequence[int] | None = None) -> None:
+           local_ok: bool, ranks: Sequence[int] | None = None, grad: bool | None = None
+           ) -> None:
     """Check, across ``group``, that every rank runs the same operator (``what`` and its
-    ``config`` hash) on the same ``spec``, and that every block matches it."""
+    ``config`` hash) on the same ``spec``, that every block matches it, and (``grad`` not
+    None) that every rank records the operator for backward alike (else the adjoint would
+    run on some ranks only and wait for the others forever)."""
     if group is None or group.size == 1:
         if not local_ok:
             raise raised_everywhere(ShapeError(f"{what}: this rank's block does not match "
                                                f"{spec.describe() if spec else 'its spec'}"))
         return
-    row = Row.make(what, OK if local_ok else BAD_BLOCK, config,
+    status = (OK if local_ok else BAD_BLOCK) | _GRAD_BITS[grad]
+    row = Row.make(what, status, config,
                    spec.dtype if spec else None, spec.device_type if spec else "cpu",
                    None, spec.global_shape if spec else None,
                    spec.fingerprint if spec else 0)
@@ -200,7 +207,15 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
         raise raised_everywhere(MismatchError(
             f"{what}: ranks disagree about the tensor ({detail}): dtype, global shape, "
             f"device or partition differ"))
-    bad = [r for r, x in zip(group.ranks, rows) if x.status != OK]
+    grads = {r: x.status & _GRAD_MASK for r, x in zip(group.ranks, rows)}
+    if {_GRAD_BITS[True], _GRAD_BITS[False]} <= set(grads.values()):
+        on = [r for r, g in grads.items() if g == _GRAD_BITS[True]]
+        off = [r for r, g in grads.items() if g == _GRAD_BITS[False]]
+        raise raised_everywhere(MismatchError(
+            f"{what}: the input requires grad (in grad mode) on ranks {on} but not on ranks "
+            f"{off}: backward would run the adjoint on some ranks only. Make the blocks "
+            f"require grad on every rank, zero-volume ones too, or on none"))
+    bad = [r for r, x in zip(group.ranks, rows) if x.status & _STATUS_MASK != OK]
     if bad:
         raise raised_everywhere(ShapeError(
             f"{what}: the block on rank(s) {bad} does not match the tensor "

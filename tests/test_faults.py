@@ -389,3 +389,85 @@ def test_mpi_pool_refuses_functions_of_main(cluster):
     with pytest.raises(RankFailure, match="defined in __main__"):
         cluster.run(2, task, backend="mpi")
     assert cluster.run(2, _answer, backend="mpi") == [42, 42]
+
+
+# ------------------------------------------- inputs that differ between ranks (fuzz-found)
+def _mixed_op(kind):
+    P = Partition([0, 1], (1, 1, 2, 1))
+    torch.manual_seed(0)
+    return P, {"repart": lambda: Repartition(P, Partition([0, 1], (1, 1, 1, 2))),
+               "pool": lambda: gnn.DistributedMaxPool2d(P, 3, 1, 1),
+               "conv": lambda: gnn.DistributedConv2d(P, 2, 2, 3, padding=1,
+                                                     dtype=torch.float64)}[kind]()
+
+
+def _dist(P, g, dt=torch.float64, grad=False):
+    G = torch.arange(float(torch.Size(g).numel()), dtype=dt).reshape(g)
+    loc = G[gpudist.Decomposition(g, P.shape).global_slices(P.coords)].clone()
+    return DistTensor.from_local(loc.requires_grad_(grad), P, g)
+
+
+def _cached_specs_mixed(kind, what):
+    """Every rank plans both specs; then rank 0 passes the first, rank 1 the second (a
+    silent wrong result, or a crash in the backend, when only first uses were checked)."""
+    P, op = _mixed_op(kind)
+    a = ((1, 2, 6, 4), torch.float64)
+    b = ((1, 2, 7, 4), torch.float64) if what == "shape" else ((1, 2, 6, 4), torch.float32)
+    for g, dt in (a, b):
+        op(_dist(P, g, dt))
+    g, dt = a if gpudist.world().rank == 0 else b
+    return tuple(op(_dist(P, g, dt)).local.shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,what", [("repart", "shape"), ("repart", "dtype"),
+                                       ("pool", "shape"), ("conv", "shape")])
+def test_cached_specs_mixed_between_ranks(cluster, backend, kind, what):
+    errs, secs = _run_timed(cluster, 2, _cached_specs_mixed, kind, what, backend=backend)
+    assert all(e is not None for e in errs), errs
+    assert {e.type for e in errs} <= {"MismatchError", "RemoteError"}, errs
+    assert all("Mismatch" in e.message or "disagree" in e.message for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _refused_on_one_rank(kind, what):
+    """Rank 1 passes an input the operator refuses (another partition, dtype or channel
+    count), consistent in itself; rank 0 passes a good one."""
+    P, op = _mixed_op(kind)
+    g, Pm, dt = (1, 2, 8, 6), P, torch.float64
+    if gpudist.world().rank == 1:
+        if what == "partition":
+            Pm = Partition([0, 1], (1, 1, 1, 2))
+        elif what == "dtype":
+            dt = torch.float32
+        else:
+            g = (1, 3, 8, 6)
+    return tuple(op(_dist(Pm, g, dt)).local.shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,what", [("conv", "partition"), ("conv", "dtype"),
+                                       ("conv", "channels"), ("pool", "partition"),
+                                       ("repart", "partition")])
+def test_input_refused_on_one_rank_fails_everywhere(cluster, backend, kind, what):
+    errs, secs = _run_timed(cluster, 2, _refused_on_one_rank, kind, what, backend=backend)
+    assert all(e is not None and e.type == "MismatchError" for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _grad_on_one_rank(kind):
+    P, op = _mixed_op(kind)
+    x = _dist(P, (1, 2, 8, 6), grad=gpudist.world().rank == 0)
+    y = op(x)
+    y.local.sum().backward()
+    return "no error"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["pool", "repart"])
+def test_requires_grad_on_some_ranks_is_a_mismatch(cluster, backend, kind):
+    """The adjoint would run on rank 0 only and wait for rank 1 forever."""
+    errs, secs = _run_timed(cluster, 2, _grad_on_one_rank, kind, backend=backend)
+    assert all(e is not None and e.type == "MismatchError" and "requires grad" in e.message
+               for e in errs), errs
+    assert secs < FAST, secs

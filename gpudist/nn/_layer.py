@@ -20,10 +20,10 @@ import torch
 
 from ..buffers import LRU
 from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
-from ..meta import derive_spec
+from ..meta import derive_spec, verify
 from ..partition import Partition
 from ..primitives import Repartition
-from ..spec import DistTensor, TensorSpec
+from ..spec import DistTensor, TensorSpec, stable_hash
 from ._params import block
 
 
@@ -54,6 +54,12 @@ class DistributedModule(torch.nn.Module):
         self.participants = tuple(ranks)
         n = self.world.size  # every rank calls every layer: plain blocks are described here
         self.world_group = self.world.transport.group(range(n)) if n > 1 else None
+        # the participants check a call that differs from the last one (world-collective)
+        g = self.world.transport.group(ranks) if len(ranks) > 1 else None
+        self._group = g if self.world.rank in ranks else None
+        self._config = stable_hash((self.name, P_in.key,
+                                    self.world.next_uid(("layer", self.participants))))
+        self._last: tuple[TensorSpec, bool | None] | None = None
         self._plans = LRU(self.world.cache_size)
 
     @property
@@ -87,8 +93,17 @@ class DistributedModule(torch.nn.Module):
                 f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
-    def plan(self, spec: TensorSpec):
-        """The layer's plan for input ``spec`` (cached, LRU)."""
+    def plan(self, spec: TensorSpec, grad: bool | None = None):
+        """The layer's plan for input ``spec`` (cached, LRU). A call whose spec or grad mode
+        (``grad``: whether the input records the graph; None: not said) differs from this
+        rank's previous call is first checked across the participants
+        (:func:`~gpudist.meta.verify`): two cached plans used one on some ranks and the
+        other on the rest, or a spec refused on some ranks only, fail on every rank."""
+        last = self._last
+        if last is None or last[1] != grad or (last[0] is not spec and last[0] != spec):
+            if self.world.rank in self.participants:
+                verify(self._group, self.name, self._config, spec, True, grad=grad)
+            self._last = (spec, grad)
         self.check_kind(spec)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
@@ -106,7 +121,7 @@ class DistributedModule(torch.nn.Module):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
             spec = x.spec if dist_in else self.spec_of(local)
-            plan = self.plan(spec)
+            plan = self.plan(spec, local.requires_grad and torch.is_grad_enabled())
             self.check_call(plan)
             local = spec.adopt(local)
             spec.check_local(local, self.name)

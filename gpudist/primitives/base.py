@@ -9,8 +9,9 @@ A primitive is a linear data movement ``F`` between distributed tensors with its
 * ``forward(x, plan)`` and ``adjoint(dy, plan)``: the two directions on local blocks.
 
 :class:`Primitive` does the rest once: plans cached per input spec (an LRU of
-``world.cache_size``), checked across the participants at their first use
-(:func:`gpudist.meta.verify`: same operator, same spec, every block right), each call
+``world.cache_size``), checked across the participants at their first use and whenever a
+rank's call differs from its previous one (:func:`gpudist.meta.verify`: same operator,
+same spec, same grad mode, every block right), each call
 numbered for the control plane's diagnostics, errors posted to the world
 (:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
 backward is the adjoint. A :class:`~gpudist.spec.DistTensor` in gives a DistTensor out; a
@@ -93,7 +94,8 @@ class Primitive(torch.nn.Module):
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
-        self._last: tuple[TensorSpec, Plan] | None = None  # the last call's (spec, plan)
+        # the last call's (spec, plan, grad): a call that differs is checked across ranks
+        self._last: tuple[TensorSpec, Plan, bool | None] | None = None
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -121,16 +123,30 @@ class Primitive(torch.nn.Module):
                 f"operator was built for {self.in_partition.shape} of ranks "
                 f"{list(self.in_partition.ranks)}"))
 
-    def plan(self, spec: TensorSpec, local_ok: bool = True) -> Plan:
-        """The cached plan for input ``spec``; made (and checked across the participants)
-        at its first use."""
+    def plan(self, spec: TensorSpec, local_ok: bool = True, grad: bool | None = None
+             ) -> Plan:
+        """The cached plan for input ``spec``, checked across the participants
+        (:func:`~gpudist.meta.verify`) whenever this rank's call differs from its last one:
+        another spec, or (``grad``: whether the call records the adjoint for backward;
+        None: not said) another grad mode. The first check comes before the plan is made,
+        so that what it finds wrong in the spec is found alike on every rank.
+
+        Why at every change and not only at a plan's first use: two specs both planned
+        earlier, passed one on some ranks and the other on the rest, would otherwise run
+        with mismatched counts (a silently wrong result, or a crash in the backend). A
+        rank whose call changed checks; if its peers' calls did not change they are in
+        the data exchange instead, and the control plane reports the mismatch (same
+        operator number, different fingerprints) within ``diag_after`` seconds."""
         last = self._last
-        if last is not None and last[0] is spec:  # the same spec object as last call
+        if last is not None and last[0] is spec and last[2] == grad:
             return last[1]
+        changed = last is None or last[2] != grad or last[0] != spec
+        if changed and self.member:
+            verify(self.group, self.name, self.config, spec, local_ok, grad=grad)
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
-            self._last = (spec, p)
+            self._last = (spec, p, grad)
             return p
         try:
             self.check_input(spec)
@@ -139,7 +155,6 @@ class Primitive(torch.nn.Module):
             planning_error(e)
             raise
         if self.member:
-            verify(self.group, self.name, self.config, spec, local_ok)
             try:
                 local, identity = self.make_plan(spec, out)
             except Exception as e:
@@ -149,7 +164,7 @@ class Primitive(torch.nn.Module):
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
         p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
-        self._last = (spec, p)
+        self._last = (spec, p, grad)
         return p
 
     def derive(self, x: torch.Tensor) -> TensorSpec:
@@ -172,7 +187,7 @@ class Primitive(torch.nn.Module):
             spec = x.spec if dist_in else self.derive(local)
             local = spec.adopt(local)
             ok = spec.matches(local)
-            plan = self.plan(spec, ok)
+            plan = self.plan(spec, ok, local.requires_grad and torch.is_grad_enabled())
             if not ok:
                 spec.check_local(local, self.name)
             y = self.apply(local, plan)
