@@ -191,6 +191,9 @@ class Broadcast(_FanPrimitive):
     """F: copy each source block to its destination workers (replicated along the
     broadcast dimensions). F*: SumReduce back.
 
+    A source worker that is also a destination returns its input block itself (no copy),
+    as an identity would: clone before modifying that output in place.
+
     ``transpose_src`` reads ``P_src``'s grid transposed (used by the affine layer).
     """
 
