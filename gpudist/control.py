@@ -59,6 +59,19 @@ def label_text(what: Label) -> str:
     return what if isinstance(what, str) else what()
 
 
+def _control_flow() -> tuple[type, ...]:
+    """Exceptions torch raises through user code to steer it, not failures: non-reentrant
+    activation checkpointing stops a recomputation early with one."""
+    try:
+        from torch.utils.checkpoint import _StopRecomputationError
+    except ImportError:  # pragma: no cover - another torch
+        return ()
+    return (_StopRecomputationError,)
+
+
+_CONTROL_FLOW = _control_flow()
+
+
 class _Scope:
     """``with control.scope(where)``: an error not every rank raises is posted (a class,
     not a generator: it runs on every call of every operator)."""
@@ -73,7 +86,7 @@ class _Scope:
 
     def __exit__(self, kind, e, tb) -> bool:
         if e is not None and not is_everywhere(e) and not isinstance(
-                e, (KeyboardInterrupt, GeneratorExit)):
+                e, (KeyboardInterrupt, GeneratorExit, *_CONTROL_FLOW)):
             self.control.abort(e, self.where)
         return False
 

@@ -105,6 +105,57 @@ def test_no_metadata_collective_in_steady_state(cluster, backend):
         assert syncs == 0, syncs  # no .item() inside forward/backward either
 
 
+def _count_meta_mixed(how, steps=3):
+    """Training steps mixed with what real loops do between them: a no-grad call of the
+    same layers (monitoring), or activation checkpointing (its recomputation runs the
+    forward again, under no_grad for the reentrant form). Returns the metadata exchanges
+    after the first step, and the input gradient (to compare with plain steps)."""
+    import torch.utils.checkpoint as cp
+
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size, 1))
+    torch.manual_seed(0)
+    c1 = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64)
+    c2 = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64)
+    x = DistTensor.from_local(global_tensor((1, 2, 4, 6), seed=w.rank).requires_grad_(True),
+                              P, (1, 2, 4 * w.size, 6))
+    calls, orig = [], w.transport.meta_all_gather
+
+    def step():
+        if how == "plain" or how == "monitor":
+            c2(c1(x)).local.sum().backward()
+            if how == "monitor":
+                with torch.no_grad():
+                    c2(c1(x))
+        else:
+            y = cp.checkpoint(lambda t: c2(c1(DistTensor(t, x.spec))).local, x.local,
+                              use_reentrant=how == "reentrant")
+            y.sum().backward()
+
+    w.transport.meta_all_gather = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    try:
+        step()
+        first = len(calls)
+        for _ in range(steps - 1):
+            step()
+    finally:
+        del w.transport.meta_all_gather
+    return len(calls) - first, x.local.grad.tolist(), c1.weight.grad.tolist()
+
+
+@pytest.mark.parametrize("how", ["monitor", "reentrant", "nonreentrant"])
+def test_steady_state_with_no_grad_calls_and_checkpointing(cluster, how):
+    """No metadata exchange per step when grad mode alternates, and checkpointed steps
+    give the plain steps' gradients (torch's non-reentrant checkpoint stops the
+    recomputation early by raising through the layers: not a failure)."""
+    got = cluster.run(2, _count_meta_mixed, how)
+    ref = cluster.run(2, _count_meta_mixed, "plain")
+    for (later, gx, gw), (_, rx, rw) in zip(got, ref):
+        assert later == 0, later
+        assert torch.allclose(torch.tensor(gx), torch.tensor(rx), atol=1e-12)
+        assert torch.allclose(torch.tensor(gw), torch.tensor(rw), atol=1e-12)
+
+
 def test_world_size_one_no_meta_no_sync(cluster):
     (res,) = cluster.run(1, _count_meta)
     assert res[1:] == (0, 0), res

@@ -16,6 +16,7 @@ import torch
 import gpudist
 import gpudist.nn as gnn
 from gpudist import DistTensor, Partition, TensorSpec
+from gpudist.halo import HaloExchange
 from gpudist.primitives import AllSumReduce, Repartition, collect, distribute
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
@@ -471,3 +472,47 @@ def test_requires_grad_on_some_ranks_is_a_mismatch(cluster, backend, kind):
     assert all(e is not None and e.type == "MismatchError" and "requires grad" in e.message
                for e in errs), errs
     assert secs < FAST, secs
+
+
+def _plan_on_one_rank():
+    """A correct program: rank 0 alone inspects its local halo plan between two calls."""
+    P, _ = _mixed_op("pool")
+    H = HaloExchange(P, 3, 1, 1)
+    x = _dist(P, (1, 2, 8, 6))
+    a = H(x).clone()
+    if gpudist.world().rank == 0:
+        H.local_plan(x.spec)
+        H.plan(x.spec)
+    return torch.equal(H(x), a)
+
+
+def test_plan_on_one_rank_is_not_a_call(cluster):
+    assert cluster.run(2, _plan_on_one_rank) == [True, True]
+
+
+def _chain_through_nonparticipant():
+    """A layer on rank 0 only, then one that spans both ranks: rank 1's (zero-volume)
+    output of the first records the graph through the layer's parameters, as rank 0's
+    does, so the second layer's adjoints run on both ranks."""
+    w = gpudist.world()
+    P0 = Partition([0], (1, 1))
+    torch.manual_seed(0)
+    l1 = gnn.DistributedLinear(P0, P0, P0, 4, 4, dtype=torch.float64)
+    l2 = gnn.DistributedLinear(P0, Partition([0, 1], (1, 2)), Partition([0, 1], (2, 1)), 4, 6,
+                               dtype=torch.float64)
+    loc = torch.arange(12.0, dtype=torch.float64).reshape(3, 4) if w.rank == 0 else \
+        torch.zeros(0, 0, dtype=torch.float64)
+    y = l2(l1(DistTensor.from_local(loc, P0, (3, 4))))
+    y.local.sum().backward()
+    s1, s2, g1 = l1.global_state_dict(), l2.global_state_dict(), l1.global_grads()
+    if w.rank != 0:
+        return None
+    t1, t2 = torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Linear(4, 6, dtype=torch.float64)
+    t1.load_state_dict(s1)
+    t2.load_state_dict(s2)
+    t2(t1(loc)).sum().backward()
+    return all(torch.allclose(g1[k], getattr(t1, k).grad) for k in ("weight", "bias"))
+
+
+def test_chain_through_a_nonparticipant(cluster):
+    assert cluster.run(2, _chain_through_nonparticipant)[0] is True

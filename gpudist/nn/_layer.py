@@ -59,7 +59,7 @@ class DistributedModule(torch.nn.Module):
         self._group = g if self.world.rank in ranks else None
         self._config = stable_hash((self.name, P_in.key,
                                     self.world.next_uid(("layer", self.participants))))
-        self._last: tuple[TensorSpec, bool | None] | None = None
+        self._last: TensorSpec | None = None
         self._plans = LRU(self.world.cache_size)
 
     @property
@@ -94,16 +94,17 @@ class DistributedModule(torch.nn.Module):
                 f"them (torch's layer refuses the mix too)"))
 
     def plan(self, spec: TensorSpec, grad: bool | None = None):
-        """The layer's plan for input ``spec`` (cached, LRU). A call whose spec or grad mode
-        (``grad``: whether the input records the graph; None: not said) differs from this
-        rank's previous call is first checked across the participants
-        (:func:`~gpudist.meta.verify`): two cached plans used one on some ranks and the
-        other on the rest, or a spec refused on some ranks only, fail on every rank."""
+        """The layer's plan for input ``spec`` (cached, LRU). At this rank's first call and
+        whenever the spec differs from its last call's, the participants first compare
+        their calls (:func:`~gpudist.meta.verify`, also comparing ``grad``: whether the
+        input records the graph; None: not said): two cached plans used one on some ranks
+        and the other on the rest, or a spec refused on some ranks only, fail on every
+        rank. A change of grad mode alone is not checked (see ``Primitive.plan``)."""
         last = self._last
-        if last is None or last[1] != grad or (last[0] is not spec and last[0] != spec):
+        if last is None or (last is not spec and last != spec):
             if self.world.rank in self.participants:
                 verify(self._group, self.name, self._config, spec, True, grad=grad)
-            self._last = (spec, grad)
+            self._last = spec
         self.check_kind(spec)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
@@ -127,9 +128,13 @@ class DistributedModule(torch.nn.Module):
             spec.check_local(local, self.name)
             if self.world.rank in self.participants:
                 y = self.run(local, plan)
-            else:
+            else:  # records the graph where a participant's output would: through the
+                # input or the layer's parameters (ranks must agree on it for the adjoints)
                 y = local.new_zeros(plan.out.local_shape)
-                y = y + local.sum() * 0 if local.requires_grad else y
+                tie = local if local.requires_grad else next(
+                    (p for p in self.parameters() if p.requires_grad), None)
+                if tie is not None and torch.is_grad_enabled():
+                    y = y + tie.sum() * 0
             return DistTensor(y, plan.out, check=False) if dist_in else y
 
     def make_plan(self, spec: TensorSpec):

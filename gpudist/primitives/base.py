@@ -10,7 +10,7 @@ A primitive is a linear data movement ``F`` between distributed tensors with its
 
 :class:`Primitive` does the rest once: plans cached per input spec (an LRU of
 ``world.cache_size``), checked across the participants at their first use and whenever a
-rank's call differs from its previous one (:func:`gpudist.meta.verify`: same operator,
+rank's spec differs from its previous call's (:func:`gpudist.meta.verify`: same operator,
 same spec, same grad mode, every block right), each call
 numbered for the control plane's diagnostics, errors posted to the world
 (:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
@@ -94,8 +94,8 @@ class Primitive(torch.nn.Module):
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
-        # the last call's (spec, plan, grad): a call that differs is checked across ranks
-        self._last: tuple[TensorSpec, Plan, bool | None] | None = None
+        # the last call's (spec, plan): a call with another spec is checked across ranks
+        self._last: tuple[TensorSpec, Plan] | None = None
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -126,27 +126,28 @@ class Primitive(torch.nn.Module):
     def plan(self, spec: TensorSpec, local_ok: bool = True, grad: bool | None = None
              ) -> Plan:
         """The cached plan for input ``spec``, checked across the participants
-        (:func:`~gpudist.meta.verify`) whenever this rank's call differs from its last one:
-        another spec, or (``grad``: whether the call records the adjoint for backward;
-        None: not said) another grad mode. The first check comes before the plan is made,
-        so that what it finds wrong in the spec is found alike on every rank.
+        (:func:`~gpudist.meta.verify`) at this rank's first call and whenever the spec
+        differs from its last call's; the check also compares ``grad`` (whether the call
+        records the adjoint for backward; None: not said). The first check comes before the
+        plan is made, so that what it finds wrong in the spec is found alike on every rank.
 
         Why at every change and not only at a plan's first use: two specs both planned
         earlier, passed one on some ranks and the other on the rest, would otherwise run
         with mismatched counts (a silently wrong result, or a crash in the backend). A
-        rank whose call changed checks; if its peers' calls did not change they are in
-        the data exchange instead, and the control plane reports the mismatch (same
-        operator number, different fingerprints) within ``diag_after`` seconds."""
+        rank whose spec changed checks; if its peers' did not change they are in the data
+        exchange instead, and the control plane reports the mismatch (the operator number
+        a peer waits at, run as another operator here) within ``diag_after`` seconds. A
+        change of grad mode alone is not checked (training steps and no-grad calls
+        alternate; ranks that disagree on it meet in the diagnostics at the adjoint)."""
         last = self._last
-        if last is not None and last[0] is spec and last[2] == grad:
+        if last is not None and last[0] is spec:
             return last[1]
-        changed = last is None or last[2] != grad or last[0] != spec
-        if changed and self.member:
+        if self.member and (last is None or last[0] != spec):
             verify(self.group, self.name, self.config, spec, local_ok, grad=grad)
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
-            self._last = (spec, p, grad)
+            self._last = (spec, p)
             return p
         try:
             self.check_input(spec)
@@ -164,7 +165,7 @@ class Primitive(torch.nn.Module):
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
         p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
-        self._last = (spec, p, grad)
+        self._last = (spec, p)
         return p
 
     def derive(self, x: torch.Tensor) -> TensorSpec:
