@@ -54,7 +54,10 @@ class HaloExchange(Primitive):
 
     name = "HaloExchange"
     collective = False  # only neighbours take part in each message
-    overlap = True  # False: an InFlight completes on entry (to measure what overlap saves)
+    # whether the layers' own op runs while the exchange is in flight (False: an InFlight
+    # completes on entry); None: where the transport moves messages by itself
+    # (``Transport.progresses_alone``: gloo, NCCL; MPI only with MPICH's progress thread)
+    overlap: bool | None = None
 
     def __init__(
         self,
@@ -127,7 +130,7 @@ class HaloExchange(Primitive):
             W[slices(box)].fill_(hp.fill)
         for wb, xb in shell.pairs:
             W[slices(wb)].copy_(x[slices(xb)])
-        return InFlight(hp, W, False, self.numbered(plan), nullcontext(), self.overlap)
+        return InFlight(hp, W, False, self.numbered(plan), nullcontext(), self._overlaps())
 
     def shell_gradient(self, plan: Plan, shell: Shell, like: torch.Tensor) -> torch.Tensor:
         """The gradient buffer for :meth:`shell_return`, zero where it must be."""
@@ -140,7 +143,11 @@ class HaloExchange(Primitive):
         """H* on ``G`` (the caller wrote the gradients of what it read), in flight: ``with``
         it, compute the block's own gradient; then :meth:`shell_add` into it."""
         return InFlight(plan.local, G, True, self.numbered(plan, adjoint=True),
-                        self.world.control.scope(self._adj_scope), self.overlap)
+                        self.world.control.scope(self._adj_scope), self._overlaps())
+
+    def _overlaps(self) -> bool:
+        o = self.overlap
+        return self.world.transport.progresses_alone if o is None else o
 
     @staticmethod
     def shell_add(G: torch.Tensor, shell: Shell, dx: torch.Tensor) -> None:

@@ -161,6 +161,10 @@ class Transport(ABC):
     # whether reduce() leaves a non-root member's tensor as it was (MPI reads the send
     # buffer only); where False, callers hand it a scratch copy
     reduce_keeps_input: bool = False
+    # whether posted messages move while the rank computes (a progress thread: gloo's,
+    # NCCL's streams); where False, computing while a halo exchange is in flight gains
+    # nothing (the layers then complete the exchange first, HaloExchange.overlap)
+    progresses_alone: bool = True
 
     # -- groups -------------------------------------------------------------
     _groups: dict

@@ -79,6 +79,9 @@ class MPITransport(Transport):
         self.stage_all = stage_all
         # persistent requests for halo steps and reduces (env GPUDIST_MPI_PERSISTENT=0: none)
         self.persistent = os.environ.get("GPUDIST_MPI_PERSISTENT", "1") not in ("0", "", "no")
+        # MPICH moves messages only inside MPI calls unless asked for a progress thread
+        self.progresses_alone = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in (
+            "0", "", "no", "false")
         self.name = "mpi4py" + ("/cuda-aware" if self.cuda_aware else "")
         self.staging = Staging()
         self._address = MPI.buffer.fromaddress
