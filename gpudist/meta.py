@@ -6,11 +6,11 @@ every row and raises the same error:
 
 * :func:`derive_spec` -- the global shape of a tensor from its blocks' local shapes (what
   a plain local tensor needs at every call; a :class:`~gpudist.spec.DistTensor` never);
-* :func:`verify` -- run at the first call of every plan and whenever a rank's call of an
-  operator differs from its previous one: the operator, its configuration, the tensor's
-  spec, whether each rank's block matches it and whether it records the adjoint, compared
-  across the participants. Programs that disagree (another layer, another dtype, a lying shape hint)
-  fail here with a message that says what differs on which ranks.
+* :func:`verify` -- run at a rank's first call of an operator or layer and whenever the
+  spec it passes differs from its previous call's: the operator, its configuration, the
+  tensor's spec, whether each rank's block matches it and whether it records the adjoint,
+  compared across the participants. Programs that disagree (another layer, another dtype,
+  a lying shape hint) fail here with a message that says what differs on which ranks.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 :class:`DistributedModule` takes a :class:`~gpudist.spec.DistTensor` (or a plain local
 block, whose spec is found at every call by a metadata exchange over the world: every rank
-calls every layer), looks up the plan for that spec (made at the first call: every rank
-computes it from the spec alone, so a bad configuration raises the same error
-everywhere), checks the block, and runs the layer inside the control plane's failure
-scope. A DistTensor in gives a DistTensor out; a plain tensor gives a plain tensor.
+calls every layer), checks the spec across the participants when it differs from the
+rank's previous call (:func:`~gpudist.meta.verify`), looks up the plan for that spec (made
+at its first use: every rank computes it from the agreed spec alone, so a bad
+configuration raises the same error everywhere), checks the block, and runs the layer
+inside the control plane's failure scope. A DistTensor in gives a DistTensor out; a plain
+tensor gives a plain tensor.
 
 :class:`ShardedParameters` gives layers whose parameters are blocks of global tensors the
 global (sequential) state dict both ways, and stamps per-rank state dicts with their

@@ -9,9 +9,9 @@ A primitive is a linear data movement ``F`` between distributed tensors with its
 * ``forward(x, plan)`` and ``adjoint(dy, plan)``: the two directions on local blocks.
 
 :class:`Primitive` does the rest once: plans cached per input spec (an LRU of
-``world.cache_size``), checked across the participants at their first use and whenever a
-rank's spec differs from its previous call's (:func:`gpudist.meta.verify`: same operator,
-same spec, same grad mode, every block right), each call
+``world.cache_size``), the spec checked across the participants at a rank's first call
+and whenever it differs from its previous call's (:func:`gpudist.meta.verify`: same
+operator, same spec, same grad mode, every block right), each call
 numbered for the control plane's diagnostics, errors posted to the world
 (:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
 backward is the adjoint. A :class:`~gpudist.spec.DistTensor` in gives a DistTensor out; a
