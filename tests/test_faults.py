@@ -516,3 +516,45 @@ def _chain_through_nonparticipant():
 
 def test_chain_through_a_nonparticipant(cluster):
     assert cluster.run(2, _chain_through_nonparticipant)[0] is True
+
+
+# --------------------------------------------- state dicts and loss targets (fuzz-found)
+def _load_root_only():
+    """``b.load_global_state_dict(a.global_state_dict())``: the dict is whole on the root
+    only (loaded only the root's blocks before, silently)."""
+    P_w = Partition.grid((2, 2))
+    P_x = Partition([P_w.world_rank_of((0, j)) for j in range(2)], (1, 2))
+    P_y = Partition([P_w.world_rank_of((i, 0)) for i in range(2)], (1, 2))
+    a = gnn.DistributedLinear(P_x, P_y, P_w, 5, 4, dtype=torch.float64)
+    b = gnn.DistributedLinear(P_x, P_y, P_w, 5, 4, dtype=torch.float64)
+    b.load_global_state_dict(a.global_state_dict())
+
+
+def test_load_global_state_dict_needs_the_whole_dict_everywhere(cluster):
+    errs, secs = _run_timed(cluster, 4, _load_root_only)
+    assert all(e is not None and e.type == "ShapeError" and "missing" in " ".join(
+        x.message for x in errs) for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _loss_target(how):
+    P = Partition.grid((gpudist.world().size, 1))
+    x = _dist(P, (6, 5))
+    L = gnn.DistributedLoss(P, "mse")
+    if how == "partition":  # the same global shape over the ranks in reverse order
+        R = Partition(list(reversed(P.ranks)), P.shape)
+        t = _dist(R, (6, 5))
+    else:  # one rank's block of the wrong shape (torch would broadcast it)
+        t = x.local.clone()
+        if gpudist.world().rank == 1:
+            t = t[:, :1]
+    return float(L(x, t))
+
+
+@pytest.mark.parametrize("how", ["partition", "block"])
+def test_loss_target_must_match_the_input(cluster, how):
+    errs, secs = _run_timed(cluster, 2, _loss_target, how)
+    assert all(e is not None for e in errs), errs
+    assert {e.type for e in errs} <= {"ShapeError", "RemoteError"}, errs
+    assert all("target" in e.message for e in errs), errs
+    assert secs < FAST, secs

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from ..buffers import LRU
-from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
-from ..meta import derive_spec, verify
+from ..errors import DeviceError, MismatchError, ShapeError, planning_error, raised_everywhere
+from ..meta import BAD_BLOCK, OK, Row, derive_spec, exchange, verify
 from ..partition import Partition
 from ..primitives import Repartition
 from ..spec import DistTensor, TensorSpec, stable_hash
@@ -159,6 +159,8 @@ class ShardedParameters:
 
     homes: dict[str, tuple[Partition, tuple[int, ...]]]
     root: Partition
+    #: keys of the sequential state dict a subclass loads itself (e.g. running statistics)
+    extra_state_keys: tuple[str, ...] = ()
 
     def _collectors(self) -> dict[str, Repartition]:
         c = getattr(self, "_collect", None)
@@ -168,20 +170,48 @@ class ShardedParameters:
             object.__setattr__(self, "_collect", c)
         return c
 
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Keep this rank's blocks of a sequential layer's state dict (every rank passes
-        the same one)."""
+    def load_global_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True
+                               ) -> None:
+        """Keep this rank's blocks of a sequential layer's state dict. Collective: every
+        rank passes the same whole dict (``global_state_dict()`` returns it on the root
+        only: broadcast it or load it from a file on every rank). The ranks compare what
+        they were given (keys, shapes, a checksum of the values) and raise the same error
+        everywhere where it differs, lacks a key of the layer or has one it does not
+        know (``strict=False``: missing and unknown keys allowed, as torch's)."""
+        name = f"{type(self).__name__}.load_global_state_dict"
+        mine = [k for k, _ in self.homes.items() if getattr(self, k, None) is not None]
+        missing = [k for k in mine if k not in sd]
+        unknown = [k for k in sd if k not in self.homes and k not in self.extra_state_keys]
+        shapes = [k for k in mine if k in sd and tuple(sd[k].shape) != tuple(self.homes[k][1])]
+        wrong = shapes + (missing + unknown if strict else [])
+        digest = stable_hash(tuple(
+            (k, tuple(v.shape), float(v.detach().double().sum()),
+             float(v.detach().double().abs().sum()))
+            for k, v in sorted(sd.items()) if isinstance(v, torch.Tensor)))
+        w = self.root.world
+        group = w.transport.group(range(w.size)) if w.size > 1 else None
+        rows = exchange(group, Row.make(name[-24:], BAD_BLOCK if wrong else OK, 0, None,
+                                        "cpu", None, None, digest), name)
+        ranks = group.ranks if group is not None else (w.rank,)
+        bad = [r for r, x in zip(ranks, rows) if x.status != OK]
+        if bad:
+            here = "; ".join(f"{what} {ks}" for what, ks in (
+                ("missing", missing if strict else []), ("unknown", unknown if strict else []),
+                ("of another shape", shapes)) if ks)
+            raise raised_everywhere(ShapeError(
+                f"{name}: the state dict does not fit the layer on rank(s) {bad}"
+                + (f" (here: {here})" if here else "") + f"; the layer's entries "
+                f"{ {k: self.homes[k][1] for k in mine} }; every rank passes the whole "
+                f"sequential state dict (global_state_dict() returns it on the root only)"))
+        if len({x.spec_hash for x in rows}) > 1:
+            raise raised_everywhere(MismatchError(
+                f"{name}: the ranks were given different state dicts (keys, shapes or "
+                f"values differ); every rank passes the same whole sequential state dict"))
         with torch.no_grad():
-            for k, (_, shape) in self.homes.items():
-                if k not in sd:
-                    continue
-                t = sd[k]
-                if tuple(t.shape) != tuple(shape):
-                    raise raised_everywhere(ShapeError(
-                        f"{type(self).__name__}.load_global_state_dict: {k} has shape "
-                        f"{tuple(t.shape)}, the layer's is {tuple(shape)}"))
-                p = getattr(self, k)
-                p.data = self._cut(k, t).to(p)
+            for k in mine:
+                if k in sd:
+                    p = getattr(self, k)
+                    p.data = self._cut(k, sd[k]).to(p)
 
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the global parameter ``t``."""

@@ -64,6 +64,7 @@ class DistributedLoss(DistributedModule):
             self.fn, self.classwise = LOSSES[loss]
         else:
             self.fn, self.classwise = loss, False
+        self.named = isinstance(loss, str)  # a callable's target may have any shape
         if reduction == "batchmean" and self.fn is not F.kl_div:
             raise raised_everywhere(ValueError("reduction='batchmean' is kl_div's only"))
         if self.classwise and P_x.dim > 1 and P_x.shape[1] != 1:
@@ -110,6 +111,7 @@ class DistributedLoss(DistributedModule):
                     f"{self.name}: ignore_index is not supported for floating point target"))
             local = spec.adopt(local)
             spec.check_local(local, self.name)
+            self._check_target(target, t, local, spec)
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
             if self.reduction == "none":
                 y = self.fn(local, t, reduction="none", **opts) if self.P_x.active else \
@@ -132,6 +134,31 @@ class DistributedLoss(DistributedModule):
         if self.reduction == "batchmean":
             return v[0] / plan.batch
         return v[0] / v[1].detach()
+
+    def _check_target(self, target, t, x: torch.Tensor, spec: TensorSpec) -> None:
+        """The target must be this worker's block of a tensor over the input's partition:
+        its shape the input block's (class indices: without the class dim). torch would
+        broadcast another shape (with a warning, dividing by the wrong count); a block
+        of another partition would pair the wrong entries. A rank whose target is wrong
+        raises (its peers get the error as a RemoteError)."""
+        if isinstance(target, DistTensor) and target.spec.partition != spec.partition:
+            raise ShapeError(
+                f"{self.name}: the target is distributed over partition "
+                f"{target.spec.partition.shape} of ranks {list(target.spec.partition.ranks)}"
+                f", the input over {spec.partition.shape} of ranks "
+                f"{list(spec.partition.ranks)}")
+        if (not self.named or not self.P_x.active or not isinstance(t, torch.Tensor)
+                or x.numel() == 0):
+            return  # inactive ranks may pass anything (their blocks hold nothing)
+        want = tuple(x.shape)
+        if self.classwise and not t.dtype.is_floating_point:
+            want = want[:1] + want[2:]  # class indices: no class dim
+        if tuple(t.shape) != want:
+            raise ShapeError(
+                f"{self.name}: rank {spec.partition.world.rank}'s target block has shape "
+                f"{tuple(t.shape)}, its input block {tuple(x.shape)}: the target must be "
+                f"this rank's block of a tensor over the input's partition (shape "
+                f"{want}); broadcasting a target is not supported")
 
     def _denominator(self, x, t, opts) -> torch.Tensor:
         """This block's share of the "mean" divisor."""
