@@ -558,3 +558,25 @@ def test_loss_target_must_match_the_input(cluster, how):
     assert {e.type for e in errs} <= {"ShapeError", "RemoteError"}, errs
     assert all("target" in e.message for e in errs), errs
     assert secs < FAST, secs
+
+
+def _double_backward(kind):
+    """A gradient penalty (create_graph=True) through gpudist's hand-written adjoints:
+    their second derivative is not implemented, so torch's own error, never a wrong
+    second-order gradient (LayerNorm's was silently wrong)."""
+    n = gpudist.world().size
+    P = Partition.grid((n, 1))
+    torch.manual_seed(0)
+    d = gnn.DistributedLayerNorm(P, 6, dtype=torch.float64) if kind == "layernorm" else \
+        Repartition(P, Partition.grid((1, n)))
+    x = _dist(P, (4, 6), grad=True)
+    gx, = torch.autograd.grad(d(x).local.pow(3).sum(), x.local, create_graph=True)
+    gx.pow(2).sum().backward()
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "repartition"])
+def test_double_backward_is_refused_everywhere(cluster, kind):
+    errs, secs = _run_timed(cluster, 2, _double_backward, kind)
+    assert all(e is not None and "differentiate twice" in e.message for e in errs), errs
+    assert secs < FAST, secs

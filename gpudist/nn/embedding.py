@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..decomposition import block_range
 from ..errors import PartitionError, ShapeError, raised_everywhere
@@ -246,6 +247,7 @@ class _RowGradScale(torch.autograd.Function):
         return w.view_as(w)
 
     @staticmethod
+    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, g):  # type: ignore[override]
         (inv,) = ctx.saved_tensors
         return g * inv.to(g.dtype)[:, None], None

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
@@ -193,6 +194,7 @@ class _Normalize(torch.autograd.Function):
         return xhat.to(x.dtype)
 
     @staticmethod
+    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, dxhat):  # type: ignore[override]
         xhat, invstd = ctx.saved_tensors
         g = dxhat.to(xhat.dtype)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
@@ -222,6 +223,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
+    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, dy, _mean, _var):  # type: ignore[override]
         x, mean, invstd, w = ctx.saved_tensors
         C = x.shape[1]

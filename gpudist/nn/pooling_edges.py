@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
@@ -180,6 +181,7 @@ class _EdgeMaxPool(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, gy):  # type: ignore[override]
         x, idx, *strip_idx = ctx.saved_tensors
         H, plan, ep, (k, s, d) = ctx.setup

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..buffers import LRU, BufferPool
 from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
@@ -242,6 +243,7 @@ class _LinearOp(torch.autograd.Function):
         return op.run_forward(x, plan)
 
     @staticmethod
+    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan)
 
