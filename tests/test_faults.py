@@ -580,3 +580,22 @@ def test_double_backward_is_refused_everywhere(cluster, kind):
     errs, secs = _run_timed(cluster, 2, _double_backward, kind)
     assert all(e is not None and "differentiate twice" in e.message for e in errs), errs
     assert secs < FAST, secs
+
+
+def _integer_input(kind):
+    P, op = _mixed_op("conv")
+    if kind == "bn":
+        op = gnn.DistributedBatchNorm(P, 2, dtype=torch.float64)
+    x = _dist(P, (1, 2, 8, 6), dt=torch.int64)
+    try:
+        op(x)
+    except Exception as e:  # the world stays usable after an error raised everywhere
+        op(_dist(P, (1, 2, 8, 6)))
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["conv", "bn"])
+def test_integer_input_is_refused_everywhere(cluster, kind):
+    out = cluster.run(2, _integer_input, kind)
+    assert all(o.startswith("DeviceError") and "int64" in o for o in out), out

@@ -77,6 +77,8 @@ class DistributedModule(torch.nn.Module):
 
     #: whether inputs must have the parameters' floating dtype (as torch's layers want)
     same_dtype_as_parameters = True
+    #: whether the input must be floating point where the layer has floating parameters
+    floating_input = True
 
     def check_kind(self, spec: TensorSpec) -> None:
         """The input's device and floating dtype against the parameters' (every rank
@@ -88,6 +90,11 @@ class DistributedModule(torch.nn.Module):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is on {spec.device_type}, the layer's parameters on "
                 f"{p.device.type}; move one of them (layer.to(device) or x.to(device))"))
+        if self.floating_input and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
+            raise raised_everywhere(DeviceError(
+                f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}; the layer "
+                f"takes floating-point input (its parameters are "
+                f"{str(p.dtype).replace('torch.', '')}; torch's layer refuses it too)"))
         if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
                 and spec.dtype != p.dtype and not torch.is_autocast_enabled(p.device.type)):
             raise raised_everywhere(DeviceError(

@@ -61,6 +61,7 @@ class _Embedding(DistributedModule):
     """What both embeddings share (the weight's placement differs: ``_place``)."""
 
     same_dtype_as_parameters = False  # the input is indices
+    floating_input = False
 
     def __init__(self, P: Partition, num_embeddings: int, embedding_dim: int,
                  padding_idx: int | None = None, max_norm: float | None = None,
