@@ -371,6 +371,7 @@ def finalize() -> None:
     try:
         if w.size > 1:
             w.transport.barrier()
+            _leave_last(w)
     finally:
         w.transport.finalize()
         if w.backend != "mpi":
@@ -378,6 +379,28 @@ def finalize() -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+LEAVE_WAIT_S = 5.0
+
+
+def _leave_last(w: World) -> None:
+    """Rank 0 (the control store's server under MPI and mpiexec) leaves after its peers
+    have left the last barrier: a peer still in it may poll the store, and a store gone
+    makes torch print a C++ stack trace there. Bounded by ``LEAVE_WAIT_S``."""
+    st = w.control.store
+    if st is None:
+        return
+    try:
+        if w.rank != 0:
+            st.add("left", 1)
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while st.add("left", 0) < w.size - 1 and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        st.delete_key("left")  # a later world on the same store counts afresh
+    except Exception:  # the store is gone already: nothing left to protect
+        pass
 
 
 def require_world(w: World | None) -> World:

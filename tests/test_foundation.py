@@ -218,6 +218,32 @@ def test_long_wait_leaves_the_core(cluster, backend):
     assert cpu < 0.5 * wall, (cpu, wall)
 
 
+def _finalize_late_peer():
+    import gpudist
+
+    w = gpudist.world()
+    if w.rank == 1:  # as if still inside the last barrier (polling the store) for 0.5 s
+        barrier = w.transport.barrier
+
+        def late(group=None):
+            barrier(group)
+            time.sleep(0.5)
+        w.transport.barrier = late
+    t = time.perf_counter()
+    gpudist.finalize()
+    return time.perf_counter() - t
+
+
+def test_store_server_leaves_last(cluster, backend):
+    """Rank 0 (the control store's server under MPI and mpiexec) leaves only after its peers
+    have left the last barrier: a peer polling a store gone makes torch print a C++ stack
+    trace."""
+    took = cluster.run(2, _finalize_late_peer, backend=backend)
+    cluster.discard(2, backend)  # the world is finalized
+    assert took[0] >= 0.45, took
+    assert took[1] >= 0.45, took
+
+
 def test_missing_peer_times_out(cluster, backend):
     errs = cluster.run(2, _missing_peer, backend=backend, expect_error=True)
     cluster.discard(2, backend)  # a timed-out gloo pair is closed for good
