@@ -116,7 +116,7 @@ def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
         err = MismatchError(
             f"{what}: ranks run different operators at the same point of the program "
             f"({detail}): the program differs between ranks (a layer or partition created, "
-            f"skipped or called on some ranks only)")
+            f"skipped or called on some ranks only, or a layer built with other options)")
         from .runtime import require_world
 
         require_world(None).control.abort(err, what)  # the programs diverged: no way on
@@ -137,6 +137,13 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     g = group if group is not None else P.group
     ranks = g.ranks if g is not None else (P.world.rank,)
     here = P.active
+    if g is None and not here:  # outside P with nobody to ask: this rank's error alone
+        with P.world.control.scope(what):  # posted: P's ranks raise at their next wait
+            raise ShapeError(
+                f"{what}: rank {P.world.rank} is not in partition {P.shape} of ranks "
+                f"{list(P.ranks)}: it holds no block, and the blocks' shapes are exchanged "
+                f"among the partition's ranks only. Pass global_shape, or call this on the "
+                f"partition's ranks only")
     row = Row.make(f"shape:{what}", OK if here else ABSENT, stable_hash(P.key),
                    local.dtype, local.device.type, tuple(local.shape) if here else None, None)
     rows = exchange(g, row, what)

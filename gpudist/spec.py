@@ -220,6 +220,40 @@ _BINARY = {
 }
 
 
+# on summands (PARTIAL: the tensor is the sum of the blocks) only linear maps are exact
+_LINEAR_UNARY = {
+    torch.neg, torch.Tensor.neg, torch.clone, torch.Tensor.clone, torch.Tensor.contiguous,
+    torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16,
+}
+_ADDITIVE = {
+    torch.add, torch.sub, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.__add__,
+    torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__, torch.Tensor.add_,
+    torch.Tensor.sub_,
+}
+_SCALING = {
+    torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+    torch.Tensor.mul_, torch.div, torch.Tensor.div, torch.Tensor.__truediv__,
+    torch.Tensor.div_,
+}
+_DIVISION = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_}
+
+
+def _check_linear(func, name: str, args: tuple, dts: list) -> None:
+    """Refuse a point-wise op that is not exact on summands: ``relu(a + b)`` is not
+    ``relu(a) + relu(b)``, nor ``(a + b) + 1`` the sum of ``a + 1`` and ``b + 1``."""
+    ok = ((func in _LINEAR_UNARY and len(dts) == 1)
+          or (func in _ADDITIVE and len(dts) == 2
+              and all(isinstance(a, DistTensor) for a in args[:2]))
+          or (func in _SCALING and len(dts) == 1
+              and (func not in _DIVISION or args[0] is dts[0])))
+    if not ok:
+        raise raised_everywhere(TypeError(
+            f"{name} of a tensor held as summands (placement PARTIAL: the tensor is the sum "
+            f"of the blocks) would apply to each summand, not to their sum; only negation, "
+            f"copies, sums of such tensors and scaling by a number are exact. Sum the blocks "
+            f"first (SumReduce or AllSumReduce)"))
+
+
 class DistTensor:
     """A tensor distributed over ``spec.partition``: this rank's block ``local`` + ``spec``.
 
@@ -330,33 +364,36 @@ class DistTensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        dts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, DistTensor)]
+        operands = list(args) + list(kwargs.values())
+        dts = [a for a in operands if isinstance(a, DistTensor)]
+        name = getattr(func, "__name__", getattr(func, "__qualname__", str(func)))
+        if not dts or not (func in _UNARY or func in _BINARY):  # e.g. torch.cat([x, y])
+            raise raised_everywhere(TypeError(
+                f"gpudist.DistTensor does not support {name}: its result would depend on how "
+                f"the tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
+                f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)"))
         spec = dts[0].spec
-        if func in _UNARY or func in _BINARY:
-            for d in dts[1:]:
-                if d.spec.partition != spec.partition or \
-                        d.spec.global_shape != spec.global_shape:
-                    raise raised_everywhere(ShapeError(
-                        f"{getattr(func, '__name__', func)}: operands are distributed "
-                        f"differently ({spec.describe()} vs {d.spec.describe()})"))
-            for a in list(args) + list(kwargs.values()):
-                if isinstance(a, torch.Tensor) and a.dim() > 0:
-                    raise raised_everywhere(TypeError(
-                        f"{getattr(func, '__name__', func)}: a DistTensor combines only with "
-                        f"DistTensors of the same distribution and with scalars, not with a "
-                        f"plain tensor of shape {tuple(a.shape)}"))
+        for d in dts[1:]:
+            if (d.spec.partition, d.spec.global_shape, d.spec.placements) != \
+                    (spec.partition, spec.global_shape, spec.placements):
+                raise raised_everywhere(ShapeError(
+                    f"{name}: operands are distributed differently ({spec.describe()} vs "
+                    f"{d.spec.describe()}); repartition one of them first"))
+        for a in operands:
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                raise raised_everywhere(TypeError(
+                    f"{name}: a DistTensor combines only with DistTensors of the same "
+                    f"distribution and with scalars, not with a plain tensor of shape "
+                    f"{tuple(a.shape)}"))
+        if PARTIAL in spec.placements:
+            _check_linear(func, name, args, dts)
 
-            def unwrap(a):
-                return a.local if isinstance(a, DistTensor) else a
+        def unwrap(a):
+            return a.local if isinstance(a, DistTensor) else a
 
-            out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
-            return DistTensor(out, spec.replace(dtype=out.dtype, device_type=out.device.type),
-                              check=False)
-        name = getattr(func, "__qualname__", getattr(func, "__name__", str(func)))
-        raise raised_everywhere(TypeError(
-            f"gpudist.DistTensor does not support {name}: its result would depend on how the "
-            f"tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
-            f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)"))
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+        return DistTensor(out, spec.replace(dtype=out.dtype, device_type=out.device.type),
+                          check=False)
 
     def _binary(self, func, other):
         return DistTensor.__torch_function__(func, (DistTensor,), (self, other))

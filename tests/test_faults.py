@@ -599,3 +599,85 @@ def _integer_input(kind):
 def test_integer_input_is_refused_everywhere(cluster, kind):
     out = cluster.run(2, _integer_input, kind)
     assert all(o.startswith("DeviceError") and "int64" in o for o in out), out
+
+
+# ------------------------------------------------- point-wise ops on DistTensors (fuzz-found)
+def _pointwise():
+    """Point-wise ops check placements (not only partition and global shape), refuse what
+    is not exact on summands (PARTIAL), and name what they do not support."""
+    from gpudist import PARTIAL
+    from gpudist.primitives import AllSumReduce as ASR
+
+    w = gpudist.world()
+    P = Partition.grid((2,))
+    split = _dist(P, (4,))
+    summands = DistTensor(torch.full((4,), 3.0 if w.rank == 0 else -2.0, dtype=torch.float64),
+                          TensorSpec(P, (4,), torch.float64, "cpu", (PARTIAL,)))
+    out = {}
+    for name, f in (("mixed", lambda: split + summands), ("plus1", lambda: summands + 1),
+                    ("relu", lambda: torch.relu(summands)), ("square", lambda: summands * summands),
+                    ("rsub", lambda: 1 - summands), ("cat", lambda: torch.cat([split, split]))):
+        try:
+            f()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    total = ASR(P, axes=(0,))
+    # the exact ones: sums of summands, scaling, negation, copies
+    y = (summands + summands) * 2 - (-summands) / 0.5 + torch.clone(summands)
+    out["exact"] = total(y).local.tolist()  # the sum is 1: (1 + 1) * 2 + 2 + 1 = 7
+    return out
+
+
+def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
+    for o in cluster.run(2, _pointwise):
+        assert o["mixed"].startswith("ShapeError") and "placed P" in o["mixed"], o
+        for k in ("plus1", "relu", "square", "rsub"):
+            assert o[k].startswith("TypeError") and "summands" in o[k], (k, o[k])
+        assert o["cat"].startswith("TypeError") and "does not support cat" in o["cat"], o
+        assert o["exact"] == [7.0] * 4, o
+
+
+def _from_local_outside():
+    """from_local without a global shape on every rank of the world, the partition two of
+    them: the outsiders cannot learn the shape; their error reaches the partition's ranks."""
+    w = gpudist.world()
+    P = Partition([0, 1], (2, 1))
+    loc = torch.ones(2, 3) if P.active else torch.zeros(0, 0)
+    DistTensor.from_local(loc, P)
+    w.transport.barrier()
+
+
+def test_from_local_outside_the_partition_fails_everywhere(cluster):
+    errs, secs = _run_timed(cluster, 4, _from_local_outside)
+    cluster.discard(4, "gloo")
+    assert all(e is not None for e in errs), errs
+    assert all(e.type == "ShapeError" and "not in partition" in e.message for e in errs[2:]), errs
+    assert all(e.type == "RemoteError" for e in errs[:2]), errs
+    assert secs < FAST, secs
+
+
+def _options_differ(kind):
+    """The same layer built with other options on rank 1 (a hang until the timeout, or a
+    silently different result, before the options were part of the first-call check)."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, 2, 1))
+    x = _dist(P, (1, 1, 8, 8))
+    if kind == "pool":
+        layer = gnn.DistributedMaxPool2d(P, 3, stride=1 if w.rank == 0 else 2, padding=1)
+    elif kind == "upsample":
+        layer = gnn.DistributedUpsample(P, scale_factor=2,
+                                        mode="nearest" if w.rank == 0 else "bilinear")
+    else:
+        layer = gnn.DistributedMSELoss(P, "mean" if w.rank == 0 else "sum")
+        return layer(x, _dist(P, (1, 1, 8, 8)))
+    return layer(x)
+
+
+@pytest.mark.parametrize("kind", ["pool", "upsample", "loss"])
+def test_layer_options_differ_between_ranks(cluster, kind):
+    errs, secs = _run_timed(cluster, 2, _options_differ, kind)
+    cluster.discard(2, "gloo")
+    assert all(e is not None and e.type == "MismatchError" and "other options" in e.message
+               for e in errs), errs
+    assert secs < FAST, secs

@@ -59,14 +59,20 @@ class DistributedModule(torch.nn.Module):
         # the participants check a call that differs from the last one (world-collective)
         g = self.world.transport.group(ranks) if len(ranks) > 1 else None
         self._group = g if self.world.rank in ranks else None
-        self._config = stable_hash((self.name, P_in.key,
-                                    self.world.next_uid(("layer", self.participants))))
+        self._uid = self.world.next_uid(("layer", self.participants))
         self._last: TensorSpec | None = None
         self._plans = LRU(self.world.cache_size)
 
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def config(self) -> int:
+        """What the participants must agree on, as a hash: the layer's kind, input
+        partition, instance number and options (``extra_repr``). A layer built with other
+        options on some ranks (a stride, a reduction, a mode) is a MismatchError at its
+        first call, not a hang in the exchange or a silently wrong result."""
+        return stable_hash((self.name, self.P_in.key, self._uid, self.extra_repr()))
 
     def spec_of(self, x: torch.Tensor) -> TensorSpec:
         """The spec of a plain block: one metadata exchange over the world at every call.
@@ -112,7 +118,7 @@ class DistributedModule(torch.nn.Module):
         last = self._last
         if last is None or (last is not spec and last != spec):
             if self.world.rank in self.participants:
-                verify(self._group, self.name, self._config, spec, True, grad=grad)
+                verify(self._group, self.name, self.config(), spec, True, grad=grad)
             self._last = spec
         self.check_kind(spec)
         if spec.partition != self.P_in:

@@ -143,6 +143,12 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
         self.b_bcast = Broadcast(self.P_rb5, self.P_wb) if bias else None
         self.y_reduce = SumReduce(self.P_w, self.Py_view)
 
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.k}, "
+                f"stride={self.s}, padding={self.pads}, dilation={self.d}, "
+                f"groups={self.groups}, bias={self.bias is not None}, "
+                f"P_x={self.P_x.shape}, P_w={self.P_w.shape}, P_y={self.P_y.shape}")
+
     # -- construction helpers -------------------------------------------------
     def _padding(self, padding, name: str) -> tuple[tuple[int, int], ...]:
         n = self.spatial

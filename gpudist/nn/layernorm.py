@@ -173,7 +173,7 @@ class _Normalize(torch.autograd.Function):
                 loc[0] = xa.square().sum(1, dtype=f64)
         else:
             loc = torch.zeros(3, R, dtype=f64, device=x.device)
-            if L:
+            if L and R:  # (torch warns for var_mean over no rows)
                 var_i, mean_i = torch.var_mean(xa, dim=1, correction=0)
                 mean_i, var_i = mean_i.to(f64), var_i.to(f64)
                 loc[0] = L * mean_i

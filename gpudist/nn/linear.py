@@ -63,6 +63,11 @@ class DistributedLinear(ShardedParameters, DistributedModule):
         self.x_bcast = Broadcast(P_x, P_w)
         self.y_reduce = SumReduce(P_w, P_y, transpose_dst=True)
 
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, P_x={self.P_x.shape}, P_y={self.P_y.shape}, "
+                f"P_w={self.P_w.shape}")
+
     def make_plan(self, spec: TensorSpec) -> _LinearPlan:
         g = spec.global_shape
         if spec.ndim < 2 or spec.placements[1] not in (spec.ndim - 1, REPLICATE):

@@ -76,6 +76,11 @@ class DistributedLoss(DistributedModule):
         self.setup(P_x, P_x.ranks)
         self.total = SumReduce(P_x, self.root)
 
+    def extra_repr(self) -> str:
+        fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        opts = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self.options.items()))
+        return f"{fn}, reduction={self.reduction!r}" + (f", {opts}" if opts else "")
+
     def make_plan(self, spec: TensorSpec) -> _LossPlan:
         g = spec.global_shape
         if not spec.standard:
@@ -215,3 +220,10 @@ DistributedKLDivLoss = _named("kl_div", "KLDivLoss")
 DistributedPoissonNLLLoss = _named("poisson_nll", "PoissonNLLLoss")
 DistributedCrossEntropyLoss = _named("cross_entropy", "CrossEntropyLoss")
 DistributedNLLLoss = _named("nll", "NLLLoss")
+
+
+def _describe(v: object) -> str:
+    """An option as every rank can state it alike (a tensor by its shape and dtype)."""
+    if isinstance(v, torch.Tensor):
+        return f"tensor{tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+    return repr(v) if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__

@@ -89,6 +89,11 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             self.running_mean = self.running_var = self.num_batches_tracked = None
         self.stats = AllSumReduce(P_x, [a for a in range(k) if a != 1])
 
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+                f"partition={self.P_x.shape}")
+
     def make_plan(self, spec: TensorSpec) -> _NormPlan:
         g = spec.global_shape
         if not spec.standard or spec.ndim != self.P_x.dim or g[1] != self.num_features:
