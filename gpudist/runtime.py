@@ -188,10 +188,13 @@ def _mpi_available() -> bool:
     return True
 
 
+DEFAULT_TIMEOUT_S = 120.0
+
+
 def init(
     backend: str = "auto",
     device: str | torch.device | None = None,
-    timeout: float = 120.0,
+    timeout: float | None = None,
     *,
     rank: int | None = None,
     world_size: int | None = None,
@@ -201,11 +204,14 @@ def init(
 
     ``backend``: "auto" (NCCL for CUDA, gloo for CPU, MPI under mpiexec when torch has no
     rendezvous address), "nccl", "gloo" or "mpi". ``rank``/``world_size``/``store`` override
-    the launcher (used by the test harness). ``timeout`` bounds every wait, in seconds.
+    the launcher (used by the test harness). ``timeout`` bounds every wait, in seconds
+    (default: env ``GPUDIST_COMM_TIMEOUT``, else 120).
     """
     global _WORLD
     if _WORLD is not None:
         return _WORLD
+    if timeout is None:
+        timeout = float(os.environ.get("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
     import torch.distributed as dist
 
     launch = detect_launch()

@@ -419,6 +419,25 @@ class DistTensor:
     def __truediv__(self, o):
         return self._binary(torch.Tensor.__truediv__, o)
 
+    def __rtruediv__(self, o):
+        return self._binary(torch.Tensor.__rtruediv__, o)
+
+    def __getattr__(self, name: str):
+        """Only reached for what the class does not define: torch.Tensor's point-wise
+        methods (``x.double()``, ``x.clamp(0)``) pass through ``__torch_function__``; its
+        other methods (``x.sum()``, ``x.view(...)``) are refused with what to use instead."""
+        if name.startswith("__") or name in DistTensor.__slots__:
+            raise AttributeError(name)
+        f = getattr(torch.Tensor, name, None)
+        if f is not None and (f in _UNARY or f in _BINARY):
+            return lambda *a, **k: DistTensor.__torch_function__(f, (DistTensor,), (self, *a), k)
+        if callable(f):
+            raise AttributeError(
+                f"gpudist.DistTensor has no .{name}(): its result would depend on how the "
+                f"tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
+                f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)")
+        raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+
     def __neg__(self):
         return DistTensor.__torch_function__(torch.neg, (DistTensor,), (self,))
 

@@ -622,6 +622,15 @@ def _pointwise():
             out[name] = "no error"
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
+    # torch.Tensor's point-wise methods pass through; the others say what to use
+    out["methods"] = [split.double().dtype == torch.float64,
+                      (2 / (split + 1)).local.tolist() == (2 / (split.local + 1)).tolist(),
+                      torch.equal(split.clamp(1, 2).local, split.local.clamp(1, 2))]
+    try:
+        split.sum()
+        out["sum"] = "no error"
+    except AttributeError as e:
+        out["sum"] = str(e)
     total = ASR(P, axes=(0,))
     # the exact ones: sums of summands, scaling, negation, copies
     y = (summands + summands) * 2 - (-summands) / 0.5 + torch.clone(summands)
@@ -636,6 +645,8 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
             assert o[k].startswith("TypeError") and "summands" in o[k], (k, o[k])
         assert o["cat"].startswith("TypeError") and "does not support cat" in o["cat"], o
         assert o["exact"] == [7.0] * 4, o
+        assert o["methods"] == [True, True, True], o
+        assert "has no .sum()" in o["sum"] and "x.local" in o["sum"], o
 
 
 def _from_local_outside():

@@ -1,5 +1,8 @@
 """Launch detection, decomposition, partitions, transports, timeouts, bad input."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -44,6 +47,19 @@ def test_first_host():
     assert first_host("node1") == "node1"
     assert first_host("a[3-5],b1") == "a3"
     assert first_host("x[01,04]") == "x01"
+
+
+def test_comm_timeout_from_the_environment():
+    code = ("import gpudist; w = gpudist.init(); print(w.control.timeout); "
+            "gpudist.finalize()")
+    env = {**os.environ, "GPUDIST_COMM_TIMEOUT": "7.5"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK",
+              "OMPI_COMM_WORLD_RANK"):  # a world of one, whatever ran this test
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "7.5", out.stdout
 
 
 def test_no_launcher_is_world_of_one():

@@ -44,7 +44,8 @@ def zero_volume(
 ) -> torch.Tensor:
     """A tensor with a 0 in its shape: what an inactive worker holds.
 
-    ``batch`` keeps the leading dimension (shape ``(batch, 0, ...)``).
+    ``batch`` keeps the leading dimension (shape ``(batch, 0, ...)``; ``(0,)`` for one
+    dimension).
     """
     shape = [0] * max(ndim, 1)
     if batch is not None:

@@ -181,7 +181,9 @@ def distribute(x: DistTensor | torch.Tensor, P_root: Partition, P_out: Partition
                global_shape: Sequence[int] | None = None) -> DistTensor | torch.Tensor:
     """Scatter a tensor held by the one worker of ``P_root`` over ``P_out``; adjoint
     collect. With ``global_shape`` (every rank knows it) the result is a
-    :class:`~gpudist.spec.DistTensor` and no metadata is exchanged."""
+    :class:`~gpudist.spec.DistTensor` and no shapes are exchanged; each call builds a
+    Repartition, whose first call is checked across ranks (one small metadata exchange):
+    in a loop, build ``Repartition(P_root, P_out)`` once and call it."""
     if P_root.size != 1:
         raise raised_everywhere(PartitionError(
             f"distribute: the root partition must have one worker, has {P_root.size}"))
