@@ -71,7 +71,8 @@ class DistributedModule(torch.nn.Module):
         """What the participants must agree on, as a hash: the layer's kind, input
         partition, instance number and options (``extra_repr``). A layer built with other
         options on some ranks (a stride, a reduction, a mode) is a MismatchError at its
-        first call, not a hang in the exchange or a silently wrong result."""
+        first call, not a hang in the exchange or a silently wrong result. A subclass's
+        ``extra_repr`` must therefore read the same on every rank (options, not blocks)."""
         return stable_hash((self.name, self.P_in.key, self._uid, self.extra_repr()))
 
     def spec_of(self, x: torch.Tensor) -> TensorSpec:
