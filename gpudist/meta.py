@@ -189,13 +189,17 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
 
 
 def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
-           local_ok: bool, ranks: Sequence[int] | None = None, grad: bool | None = None
-           ) -> None:
+           local_ok: bool, ranks: Sequence[int] | None = None, grad: bool | None = None,
+           bad_text: str | None = None) -> None:
     """Check, across ``group``, that every rank runs the same operator (``what`` and its
     ``config`` hash) on the same ``spec``, that every block matches it, and (``grad`` not
     None) that every rank records the operator for backward alike (else the adjoint would
-    run on some ranks only and wait for the others forever)."""
+    run on some ranks only and wait for the others forever). ``bad_text``: the message for
+    ranks whose ``local_ok`` is False (``{ranks}`` is filled in), where what is checked is
+    not the block itself."""
     if group is None or group.size == 1:
+        if not local_ok and bad_text is not None:
+            raise raised_everywhere(ShapeError(bad_text.format(ranks=list(ranks or ()))))
         if not local_ok:
             raise raised_everywhere(ShapeError(f"{what}: this rank's block does not match "
                                                f"{spec.describe() if spec else 'its spec'}"))
@@ -223,6 +227,8 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
             f"{off}: backward would run the adjoint on some ranks only. Make the blocks "
             f"require grad on every rank, zero-volume ones too, or on none"))
     bad = [r for r, x in zip(group.ranks, rows) if x.status & _STATUS_MASK != OK]
+    if bad and bad_text is not None:
+        raise raised_everywhere(ShapeError(bad_text.format(ranks=bad)))
     if bad:
         raise raised_everywhere(ShapeError(
             f"{what}: the block on rank(s) {bad} does not match the tensor "

@@ -560,6 +560,30 @@ def test_loss_target_must_match_the_input(cluster, how):
     assert secs < FAST, secs
 
 
+def _loss_target_first_call(where):
+    """A wrong target at the loss's first call (every rank passes the whole target, or one
+    rank a wrong block): found in the check across ranks, so raised on every rank with
+    the world usable; then a right target works."""
+    P = Partition.grid((gpudist.world().size, 1))
+    x = _dist(P, (6, 5))
+    G = torch.arange(30.0, dtype=torch.float64).reshape(6, 5)
+    L = gnn.DistributedLoss(P, "mse")
+    t = G if where == "all" or gpudist.world().rank == 1 else x.local.clone()
+    try:
+        L(x, t)
+        err = "no error"
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, float(L(x, x.local.clone()))
+
+
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_loss_target_wrong_at_first_call_is_raised_everywhere(cluster, where):
+    out = cluster.run(2, _loss_target_first_call, where)
+    assert all(e.startswith("ShapeError") and "target on rank(s) " in e for e, _ in out), out
+    assert [v for _, v in out] == [0.0, 0.0], out
+
+
 def _double_backward(kind):
     """A gradient penalty (create_graph=True) through gpudist's hand-written adjoints:
     their second derivative is not implemented, so torch's own error, never a wrong

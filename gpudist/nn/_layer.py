@@ -109,17 +109,21 @@ class DistributedModule(torch.nn.Module):
                 f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
-    def plan(self, spec: TensorSpec, grad: bool | None = None):
+    def plan(self, spec: TensorSpec, grad: bool | None = None, local_ok: bool = True,
+             bad_text: str | None = None):
         """The layer's plan for input ``spec`` (cached, LRU). At this rank's first call and
         whenever the spec differs from its last call's, the participants first compare
         their calls (:func:`~gpudist.meta.verify`, also comparing ``grad``: whether the
         input records the graph; None: not said): two cached plans used one on some ranks
         and the other on the rest, or a spec refused on some ranks only, fail on every
-        rank. A change of grad mode alone is not checked (see ``Primitive.plan``)."""
+        rank. A change of grad mode alone is not checked (see ``Primitive.plan``).
+        ``local_ok``/``bad_text``: a rank-local check of something beside the input (a
+        loss's target) that the check across ranks then reports on every rank."""
         last = self._last
         if last is None or (last is not spec and last != spec):
             if self.world.rank in self.participants:
-                verify(self._group, self.name, self.config(), spec, True, grad=grad)
+                verify(self._group, self.name, self.config(), spec, local_ok, grad=grad,
+                       bad_text=bad_text)
             self._last = spec
         self.check_kind(spec)
         if spec.partition != self.P_in:

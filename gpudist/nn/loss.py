@@ -11,6 +11,7 @@ adjoints). ``reduction="none"`` returns the element-wise loss distributed like t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -109,14 +110,19 @@ class DistributedLoss(DistributedModule):
             local = x.local if dist_in else x
             t = target.local if isinstance(target, DistTensor) else target
             spec = x.spec if dist_in else self.spec_of(local)
-            plan = self.plan(spec)
+            problem = self._target_problem(target, t, spec)
+            plan = self.plan(spec, local_ok=problem is None, bad_text=(
+                f"{self.name}: the target on rank(s) {{ranks}} is not that rank's block of a "
+                f"tensor over the input's partition (the input block's shape; class indices "
+                f"without the class dim); broadcasting a target is not supported"))
             if (self.classwise and self.options.get("ignore_index", -100) >= 0
                     and t is not None and t.is_floating_point()):  # as torch, on every rank
                 raise raised_everywhere(ValueError(
                     f"{self.name}: ignore_index is not supported for floating point target"))
             local = spec.adopt(local)
             spec.check_local(local, self.name)
-            self._check_target(target, t, local, spec)
+            if problem is not None:  # (the check across ranks did not run: a repeated spec)
+                raise ShapeError(problem)
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
             if self.reduction == "none":
                 y = self.fn(local, t, reduction="none", **opts) if self.P_x.active else \
@@ -140,30 +146,32 @@ class DistributedLoss(DistributedModule):
             return v[0] / plan.batch
         return v[0] / v[1].detach()
 
-    def _check_target(self, target, t, x: torch.Tensor, spec: TensorSpec) -> None:
-        """The target must be this worker's block of a tensor over the input's partition:
-        its shape the input block's (class indices: without the class dim). torch would
-        broadcast another shape (with a warning, dividing by the wrong count); a block
-        of another partition would pair the wrong entries. A rank whose target is wrong
-        raises (its peers get the error as a RemoteError)."""
+    def _target_problem(self, target, t, spec: TensorSpec) -> str | None:
+        """What is wrong with the target, or None. It must be this worker's block of a
+        tensor over the input's partition: its shape the input block's (class indices:
+        without the class dim). torch would broadcast another shape (with a warning,
+        dividing by the wrong count); a block of another partition would pair the wrong
+        entries. Found at a call the ranks check (the first, another spec) it is raised on
+        every rank; otherwise the rank whose target is wrong raises (its peers get the
+        error as a RemoteError)."""
         if isinstance(target, DistTensor) and target.spec.partition != spec.partition:
-            raise ShapeError(
-                f"{self.name}: the target is distributed over partition "
-                f"{target.spec.partition.shape} of ranks {list(target.spec.partition.ranks)}"
-                f", the input over {spec.partition.shape} of ranks "
-                f"{list(spec.partition.ranks)}")
+            return (f"{self.name}: the target is distributed over partition "
+                    f"{target.spec.partition.shape} of ranks "
+                    f"{list(target.spec.partition.ranks)}, the input over "
+                    f"{spec.partition.shape} of ranks {list(spec.partition.ranks)}")
+        block = spec.local_shape
         if (not self.named or not self.P_x.active or not isinstance(t, torch.Tensor)
-                or x.numel() == 0):
-            return  # inactive ranks may pass anything (their blocks hold nothing)
-        want = tuple(x.shape)
+                or math.prod(block) == 0):
+            return None  # inactive ranks may pass anything (their blocks hold nothing)
+        want = block
         if self.classwise and not t.dtype.is_floating_point:
             want = want[:1] + want[2:]  # class indices: no class dim
         if tuple(t.shape) != want:
-            raise ShapeError(
-                f"{self.name}: rank {spec.partition.world.rank}'s target block has shape "
-                f"{tuple(t.shape)}, its input block {tuple(x.shape)}: the target must be "
-                f"this rank's block of a tensor over the input's partition (shape "
-                f"{want}); broadcasting a target is not supported")
+            return (f"{self.name}: rank {spec.partition.world.rank}'s target block has shape "
+                    f"{tuple(t.shape)}, its input block {block}: the target must be this "
+                    f"rank's block of a tensor over the input's partition (shape {want}); "
+                    f"broadcasting a target is not supported")
+        return None
 
     def _denominator(self, x, t, opts) -> torch.Tensor:
         """This block's share of the "mean" divisor."""
