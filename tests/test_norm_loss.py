@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpudist
 import gpudist.nn as gnn
 from gpudist import DistTensor, Partition
 from tests.conftest import HAS_MPI
@@ -212,3 +213,24 @@ def _class_split_is_an_error():
 def test_classes_split_is_an_error(cluster):
     errs = cluster.run(2, _class_split_is_an_error, expect_error=True)
     assert all(e is not None and "class dimension" in e.message for e in errs), errs
+
+
+def _none_on_an_inactive_rank():
+    """reduction='none' on a rank outside the loss's partition: its (empty) output is in
+    the graph like everyone's, so the same backward call works on every rank."""
+    w = gpudist.world()
+    P = Partition([0, 1], (2, 1))
+    X = global_tensor((4, 3), seed=2)
+    x = (block_of(X, P) if P.active else torch.zeros(0, 0, dtype=torch.float64))
+    x.requires_grad_(True)
+    loss = gnn.DistributedLoss(P, "mse", "none")(DistTensor.from_local(x, P, (4, 3)),
+                                                 block_of(X, P) * 0)
+    loss.local.backward(torch.ones_like(loss.local))
+    return w.rank, tuple(loss.local.shape), x.grad is not None and torch.equal(
+        x.grad, 2 * x.detach())
+
+
+def test_loss_none_on_an_inactive_rank(cluster):
+    out = cluster.run(3, _none_on_an_inactive_rank)
+    assert [o[2] for o in out] == [True, True, True], out
+    assert out[2][1] == (0, 0), out

@@ -23,6 +23,7 @@ from ..partition import Partition
 from ..primitives import Plan, SumReduce
 from ..spec import PARTIAL, DistTensor, TensorSpec
 from ._layer import DistributedModule
+from ._params import connect
 
 # name -> (torch function, class-dim loss (target without the class dim), its options)
 LOSSES: dict[str, tuple[Callable, bool]] = {
@@ -126,7 +127,7 @@ class DistributedLoss(DistributedModule):
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
             if self.reduction == "none":
                 y = self.fn(local, t, reduction="none", **opts) if self.P_x.active else \
-                    local.new_zeros(plan.out.local_shape)
+                    connect(local.new_zeros(plan.out.local_shape), local)  # in the graph
                 return DistTensor(y, plan.out, check=False) if dist_in else y
             return self._reduced(local, t, opts, plan)
 
