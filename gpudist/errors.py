@@ -85,3 +85,11 @@ def planning_error(exc: BaseException) -> BaseException:
                             *_BUGS)):
         raised_everywhere(exc)
     return exc
+
+
+def not_copyable(what: str) -> TypeError:
+    """The error of ``copy.deepcopy`` on a layer or primitive (it holds communicators)."""
+    return TypeError(
+        f"{what}: copy.deepcopy of a gpudist layer or primitive is not supported (it holds "
+        f"the world's communicators and plans). Build another one (equal seeds give equal "
+        f"parameters) and load the state into it: copy.load_state_dict(layer.state_dict())")

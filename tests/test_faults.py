@@ -716,3 +716,24 @@ def test_layer_options_differ_between_ranks(cluster, kind):
     assert all(e is not None and e.type == "MismatchError" and "other options" in e.message
                for e in errs), errs
     assert secs < FAST, secs
+
+
+def _deepcopy():
+    import copy
+
+    P = Partition.grid((1, 1, 2))
+    out = []
+    for obj in (torch.nn.Sequential(_conv(P), torch.nn.ReLU()), AllSumReduce(P, axes=(2,))):
+        try:
+            copy.deepcopy(obj)
+            out.append("no error")
+        except TypeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_deepcopy_is_refused_with_what_to_do(cluster):
+    """copy.deepcopy of a layer (e.g. by torch's AveragedModel) names the problem and the
+    way (it failed deep inside pickle: 'cannot pickle ProcessGroup')."""
+    for out in cluster.run(2, _deepcopy):
+        assert all("deepcopy of a gpudist layer" in o and "load_state_dict" in o for o in out), out

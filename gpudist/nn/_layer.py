@@ -21,7 +21,14 @@ from collections.abc import Sequence
 import torch
 
 from ..buffers import LRU
-from ..errors import DeviceError, MismatchError, ShapeError, planning_error, raised_everywhere
+from ..errors import (
+    DeviceError,
+    MismatchError,
+    ShapeError,
+    not_copyable,
+    planning_error,
+    raised_everywhere,
+)
 from ..meta import BAD_BLOCK, OK, Row, derive_spec, exchange, verify
 from ..partition import Partition
 from ..primitives import Repartition
@@ -66,6 +73,9 @@ class DistributedModule(torch.nn.Module):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+    def __deepcopy__(self, memo):
+        raise not_copyable(self.name)
 
     def config(self) -> int:
         """What the participants must agree on, as a hash: the layer's kind, input

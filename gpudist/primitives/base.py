@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..buffers import LRU, BufferPool
-from ..errors import DeviceError, ShapeError, planning_error, raised_everywhere
+from ..errors import DeviceError, ShapeError, not_copyable, planning_error, raised_everywhere
 from ..meta import derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
@@ -225,6 +225,9 @@ class Primitive(torch.nn.Module):
         """F* on a gradient block, numbered and inside the failure scope (autograd's path)."""
         with self.world.control.scope(self._adj_scope), self.numbered(plan, adjoint=True):
             return self.adjoint(dy, plan)
+
+    def __deepcopy__(self, memo):
+        raise not_copyable(self.label)
 
     @property
     def label(self) -> str:
