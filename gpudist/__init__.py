@@ -13,6 +13,7 @@ from .errors import (
     RemoteError,
     ShapeError,
     WorldAborted,
+    WorldFinalized,
 )
 from .partition import Partition
 from .runtime import (
@@ -31,7 +32,7 @@ __all__ = [
     "PARTIAL", "REPLICATE", "CommTimeout", "Decomposition", "DeviceError", "DistTensor",
     "GpudistError", "HaloError", "LaunchEnv", "LaunchError", "MismatchError", "Partition",
     "PartitionError", "RemoteError", "ShapeError", "TensorSpec", "World", "WorldAborted",
-    "block_range", "block_sizes", "block_starts", "detect_launch", "finalize", "init",
-    "is_initialized", "reset", "world",
+    "WorldFinalized", "block_range", "block_sizes", "block_starts", "detect_launch",
+    "finalize", "init", "is_initialized", "reset", "world",
 ]
 __version__ = "0.2.0"

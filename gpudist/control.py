@@ -29,7 +29,14 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from .errors import CommTimeout, MismatchError, RemoteError, WorldAborted, is_everywhere
+from .errors import (
+    CommTimeout,
+    MismatchError,
+    RemoteError,
+    WorldAborted,
+    WorldFinalized,
+    is_everywhere,
+)
 
 ABORT_FIRST_CHECK_S = 0.005
 ABORT_EVERY_S = 0.02
@@ -144,10 +151,21 @@ class Control:
         except Exception:  # the store is gone too: nothing more to tell
             pass
 
+    def close(self) -> None:
+        """The world was finalized: every later call raises :class:`WorldFinalized`."""
+        if self.aborted is None:
+            self.aborted = WorldFinalized(
+                "gpudist.finalize() was called: the layers, primitives and partitions of "
+                "that world cannot communicate any more (after gpudist.init(), build new "
+                "ones)")
+
     def ensure_alive(self) -> None:
-        """Raise at once if this world was aborted (no communication after a failure)."""
+        """Raise at once if this world was aborted (no communication after a failure) or
+        finalized."""
         if self.aborted is not None:
             e = self.aborted
+            if isinstance(e, WorldFinalized):
+                raise WorldFinalized(str(e))
             if isinstance(e, RemoteError):
                 raise WorldAborted(f"the world was aborted: {e}") from e
             raise WorldAborted(f"the world was aborted after this rank's "

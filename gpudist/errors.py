@@ -60,6 +60,10 @@ class WorldAborted(GpudistError):
     """The world was aborted by an earlier failure; no further communication is possible."""
 
 
+class WorldFinalized(WorldAborted):
+    """``gpudist.finalize()`` was called: the world's objects cannot communicate any more."""
+
+
 def raised_everywhere(exc: BaseException) -> BaseException:
     """Mark ``exc`` as raised identically by every participant (the world stays usable)."""
     exc.gpudist_everywhere = True  # type: ignore[attr-defined]

@@ -380,6 +380,7 @@ def finalize() -> None:
             _leave_last(w)
     finally:
         w.transport.finalize()
+        w.control.close()
         if w.backend != "mpi":
             import torch.distributed as dist
 

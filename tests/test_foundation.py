@@ -260,6 +260,31 @@ def test_store_server_leaves_last(cluster, backend):
     assert took[1] >= 0.45, took
 
 
+def _call_after_finalize():
+    import gpudist.nn as gnn
+    from gpudist import DistTensor
+
+    P = Partition.grid((1, 1, 2))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
+    x = DistTensor.from_local(torch.randn(1, 2, 4), P, (1, 2, 8))
+    conv(x)
+    gpudist.finalize()
+    try:
+        conv(x)
+    except gpudist.WorldFinalized as e:
+        return str(e)
+    return "no error"
+
+
+def test_call_after_finalize_says_so(cluster, backend):
+    """A layer called after finalize() raises WorldFinalized (it was the backend's error:
+    gloo's 'Group ... is not registered', MPI's 'Null MPI_Request')."""
+    out = cluster.run(2, _call_after_finalize, backend=backend)
+    cluster.discard(2, backend)
+    assert all("finalize() was called" in o for o in out), out
+
+
 def test_missing_peer_times_out(cluster, backend):
     errs = cluster.run(2, _missing_peer, backend=backend, expect_error=True)
     cluster.discard(2, backend)  # a timed-out gloo pair is closed for good
