@@ -353,8 +353,9 @@ def test_failing_rank_under_a_launcher(case, backend, tmp_path):
         assert "rank 1 gave up on purpose" in out, out
     if case in ("raise", "quit", "ckpt"):  # the failing rank posted its error: named
         assert "rank 1 failed with" in out and "RemoteError" in out, out
-    elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers
-        assert "closed its connection" in out, out
+    elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers,
+        # unless torchrun's agent stopped them first (it does when a worker exits)
+        assert "closed its connection" in out or "closing signal" in out, out
 
 
 # ------------------------------------------------------------------ input vs parameters
