@@ -340,6 +340,11 @@ class DistTensor:
         a, b = start_dim % n, end_dim % n
         if a == b:
             return self
+        if not sp.standard:
+            raise raised_everywhere(ShapeError(
+                f"DistTensor.flatten({start_dim}, {end_dim}): the tensor is {sp.describe()}, "
+                f"not split the standard way (tensor dim i along partition dim i); "
+                f"repartition first"))
         P, g = sp.partition, sp.global_shape
         if any(P.shape[d] != 1 for d in range(a + 1, b + 1)):
             raise raised_everywhere(ShapeError(

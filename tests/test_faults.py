@@ -681,6 +681,30 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
         assert "has no .sum()" in o["sum"] and "x.local" in o["sum"], o
 
 
+def _flatten_placements():
+    """flatten of a tensor not split the standard way (partition dim 0 splitting tensor
+    dim 1) handed back wrong blocks under a flat spec; a standard one still flattens."""
+    from gpudist import REPLICATE
+
+    P = Partition.grid((2, 1))
+    X = torch.arange(8.0, dtype=torch.float64).reshape(2, 4)
+    odd = TensorSpec(P, (2, 4), torch.float64, "cpu", (1, REPLICATE))
+    x = DistTensor(X[:, 2 * P.coords[0]:2 * P.coords[0] + 2].clone(), odd)
+    try:
+        x.flatten()
+        err = "no error"
+    except gpudist.ShapeError as e:
+        err = str(e)
+    y = _dist(P, (2, 4)).flatten()
+    return err, y.local.tolist(), y.spec.global_shape
+
+
+def test_flatten_needs_the_standard_split(cluster):
+    for r, (err, loc, g) in enumerate(cluster.run(2, _flatten_placements)):
+        assert "not split the standard way" in err, err
+        assert g == (8,) and loc == [float(v) for v in range(4 * r, 4 * r + 4)], (loc, g)
+
+
 def _from_local_outside():
     """from_local without a global shape on every rank of the world, the partition two of
     them: the outsiders cannot learn the shape; their error reaches the partition's ranks."""
