@@ -238,14 +238,17 @@ _SCALING = {
 _DIVISION = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_}
 
 
-def _check_linear(func, name: str, args: tuple, dts: list) -> None:
+def _check_linear(func, name: str, args: tuple, kwargs: dict, dts: list) -> None:
     """Refuse a point-wise op that is not exact on summands: ``relu(a + b)`` is not
-    ``relu(a) + relu(b)``, nor ``(a + b) + 1`` the sum of ``a + 1`` and ``b + 1``."""
+    ``relu(a) + relu(b)``, nor ``(a + b) + 1`` the sum of ``a + 1`` and ``b + 1``, nor a
+    rounded division the sum of the rounded parts."""
+    numerator = args[0] if args else kwargs.get("input")
     ok = ((func in _LINEAR_UNARY and len(dts) == 1)
           or (func in _ADDITIVE and len(dts) == 2
               and all(isinstance(a, DistTensor) for a in args[:2]))
           or (func in _SCALING and len(dts) == 1
-              and (func not in _DIVISION or args[0] is dts[0])))
+              and (func not in _DIVISION or (numerator is dts[0]
+                                             and kwargs.get("rounding_mode") is None))))
     if not ok:
         raise raised_everywhere(TypeError(
             f"{name} of a tensor held as summands (placement PARTIAL: the tensor is the sum "
@@ -391,7 +394,7 @@ class DistTensor:
                     f"distribution and with scalars, not with a plain tensor of shape "
                     f"{tuple(a.shape)}"))
         if PARTIAL in spec.placements:
-            _check_linear(func, name, args, dts)
+            _check_linear(func, name, args, kwargs, dts)
 
         def unwrap(a):
             return a.local if isinstance(a, DistTensor) else a

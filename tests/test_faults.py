@@ -648,7 +648,8 @@ def _pointwise():
     out = {}
     for name, f in (("mixed", lambda: split + summands), ("plus1", lambda: summands + 1),
                     ("relu", lambda: torch.relu(summands)), ("square", lambda: summands * summands),
-                    ("rsub", lambda: 1 - summands), ("cat", lambda: torch.cat([split, split]))):
+                    ("rsub", lambda: 1 - summands), ("cat", lambda: torch.cat([split, split])),
+                    ("floordiv", lambda: torch.div(summands, 1.0, rounding_mode="floor"))):
         try:
             f()
             out[name] = "no error"
@@ -665,7 +666,8 @@ def _pointwise():
         out["sum"] = str(e)
     total = ASR(P, axes=(0,))
     # the exact ones: sums of summands, scaling, negation, copies
-    y = (summands + summands) * 2 - (-summands) / 0.5 + torch.clone(summands)
+    y = (summands + summands) * 2 - (-summands) / 0.5 + torch.clone(summands) \
+        + torch.div(input=summands, other=0.5) - torch.mul(summands, 2)  # (keywords too)
     out["exact"] = total(y).local.tolist()  # the sum is 1: (1 + 1) * 2 + 2 + 1 = 7
     return out
 
@@ -673,7 +675,7 @@ def _pointwise():
 def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
     for o in cluster.run(2, _pointwise):
         assert o["mixed"].startswith("ShapeError") and "placed P" in o["mixed"], o
-        for k in ("plus1", "relu", "square", "rsub"):
+        for k in ("plus1", "relu", "square", "rsub", "floordiv"):
             assert o[k].startswith("TypeError") and "summands" in o[k], (k, o[k])
         assert o["cat"].startswith("TypeError") and "does not support cat" in o["cat"], o
         assert o["exact"] == [7.0] * 4, o
