@@ -198,11 +198,12 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
     ranks whose ``local_ok`` is False (``{ranks}`` is filled in), where what is checked is
     not the block itself."""
     if group is None or group.size == 1:
-        if not local_ok and bad_text is not None:
-            raise raised_everywhere(ShapeError(bad_text.format(ranks=list(ranks or ()))))
         if not local_ok:
-            raise raised_everywhere(ShapeError(f"{what}: this rank's block does not match "
-                                               f"{spec.describe() if spec else 'its spec'}"))
+            me = [spec.partition.world.rank] if spec else []
+            raise raised_everywhere(ShapeError(
+                bad_text.format(ranks=me) if bad_text is not None else
+                f"{what}: this rank's block does not match "
+                f"{spec.describe() if spec else 'its spec'}"))
         return
     status = (OK if local_ok else BAD_BLOCK) | _GRAD_BITS[grad]
     row = Row.make(what, status, config,
@@ -227,9 +228,8 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
             f"{off}: backward would run the adjoint on some ranks only. Make the blocks "
             f"require grad on every rank, zero-volume ones too, or on none"))
     bad = [r for r, x in zip(group.ranks, rows) if x.status & _STATUS_MASK != OK]
-    if bad and bad_text is not None:
-        raise raised_everywhere(ShapeError(bad_text.format(ranks=bad)))
     if bad:
         raise raised_everywhere(ShapeError(
+            bad_text.format(ranks=bad) if bad_text is not None else
             f"{what}: the block on rank(s) {bad} does not match the tensor "
             f"{spec.describe() if spec else ''} (each rank's error says what it holds)"))

@@ -238,6 +238,13 @@ _SCALING = {
 _DIVISION = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_}
 
 
+def _unsupported(what: str) -> str:
+    """The refusal of ``what`` ("does not support cat", "has no .sum()")."""
+    return (f"gpudist.DistTensor {what}: its result would depend on how the "
+            f"tensor is partitioned. Use a gpudist layer or primitive, or apply it to x.local "
+            f"and wrap the result with DistTensor.from_local(..., global_shape=...)")
+
+
 def _check_linear(func, name: str, args: tuple, kwargs: dict, dts: list) -> None:
     """Refuse a point-wise op that is not exact on summands: ``relu(a + b)`` is not
     ``relu(a) + relu(b)``, nor ``(a + b) + 1`` the sum of ``a + 1`` and ``b + 1``, nor a
@@ -376,10 +383,7 @@ class DistTensor:
         dts = [a for a in operands if isinstance(a, DistTensor)]
         name = getattr(func, "__name__", getattr(func, "__qualname__", str(func)))
         if not dts or not (func in _UNARY or func in _BINARY):  # e.g. torch.cat([x, y])
-            raise raised_everywhere(TypeError(
-                f"gpudist.DistTensor does not support {name}: its result would depend on how "
-                f"the tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
-                f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)"))
+            raise raised_everywhere(TypeError(_unsupported(f"does not support {name}")))
         spec = dts[0].spec
         for d in dts[1:]:
             if (d.spec.partition, d.spec.global_shape, d.spec.placements) != \
@@ -440,10 +444,7 @@ class DistTensor:
         if f is not None and (f in _UNARY or f in _BINARY):
             return lambda *a, **k: DistTensor.__torch_function__(f, (DistTensor,), (self, *a), k)
         if callable(f):
-            raise AttributeError(
-                f"gpudist.DistTensor has no .{name}(): its result would depend on how the "
-                f"tensor is partitioned. Use a gpudist layer or primitive, or apply it to "
-                f"x.local and wrap the result with DistTensor.from_local(..., global_shape=...)")
+            raise AttributeError(_unsupported(f"has no .{name}()"))
         raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
 
     def __neg__(self):

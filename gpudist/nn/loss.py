@@ -77,6 +77,11 @@ class DistributedLoss(DistributedModule):
         self.root = Partition([P_x.ranks[0]], (1,) * P_x.dim, P_x.world)
         self.setup(P_x, P_x.ranks)
         self.total = SumReduce(P_x, self.root)
+        # what the check across ranks says of wrong targets ({ranks} filled in there)
+        self._bad_target = (
+            f"{self.name}: the target on rank(s) {{ranks}} is not that rank's block of a "
+            f"tensor over the input's partition (the input block's shape; class indices "
+            f"without the class dim); broadcasting a target is not supported")
 
     def extra_repr(self) -> str:
         fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -112,10 +117,7 @@ class DistributedLoss(DistributedModule):
             t = target.local if isinstance(target, DistTensor) else target
             spec = x.spec if dist_in else self.spec_of(local)
             problem = self._target_problem(target, t, spec)
-            plan = self.plan(spec, local_ok=problem is None, bad_text=(
-                f"{self.name}: the target on rank(s) {{ranks}} is not that rank's block of a "
-                f"tensor over the input's partition (the input block's shape; class indices "
-                f"without the class dim); broadcasting a target is not supported"))
+            plan = self.plan(spec, local_ok=problem is None, bad_text=self._bad_target)
             if (self.classwise and self.options.get("ignore_index", -100) >= 0
                     and t is not None and t.is_floating_point()):  # as torch, on every rank
                 raise raised_everywhere(ValueError(
