@@ -18,6 +18,7 @@ import gpudist.nn as gnn
 from gpudist import DistTensor, Partition, TensorSpec
 from gpudist.halo import HaloExchange
 from gpudist.primitives import AllSumReduce, Repartition, collect, distribute
+from gpudist.spec import PARTIAL
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
 
@@ -479,6 +480,44 @@ def test_requires_grad_on_some_ranks_is_a_mismatch(cluster, backend, kind):
     errs, secs = _run_timed(cluster, 2, _grad_on_one_rank, kind, backend=backend)
     assert all(e is not None and e.type == "MismatchError" and "requires grad" in e.message
                for e in errs), errs
+    assert secs < FAST, secs
+
+
+def _grad_on_one_rank_later(kind):
+    """requires_grad on rank 1 only, at a call whose spec repeats the last call's (not
+    checked across ranks: a spec change is): rank 1 runs the adjoint, rank 0 its next
+    forward. Both directions move the same counts here; on one communicator the adjoint
+    met the forward and both returned wrong sums."""
+    w = gpudist.world()
+    if kind == "conv":
+        P, op = _mixed_op("conv")
+        g = (1, 2, 8, 6)
+    else:
+        P = Partition([0, 1], (2,))
+        op = AllSumReduce(P, [0]) if kind == "allsum" else Repartition(
+            P, Partition([1, 0], (2,)))
+        g = (4,)
+
+    def x(v, grad):
+        spec = TensorSpec(P, g, torch.float64, "cpu",
+                          (PARTIAL,) if kind == "allsum" else None)
+        loc = torch.full(spec.local_shape, float(v), dtype=torch.float64)
+        return DistTensor(loc.requires_grad_(grad), spec)
+
+    op(x(1, True)).local.sum().backward()  # checked: every rank records the adjoint
+    y = op(x(2, w.rank == 1))
+    if w.rank == 1:
+        y.local.sum().backward()
+        return "adjoint"
+    return op(x(3, False)).local.sum().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["allsum", "repart", "conv"])
+def test_requires_grad_on_one_rank_at_a_repeated_spec(cluster, backend, kind):
+    """Adjoints travel on their own communicators: a mismatch, never a wrong sum."""
+    errs, secs = _run_timed(cluster, 2, _grad_on_one_rank_later, kind, backend=backend)
+    _is_mismatch_everywhere(errs, "adjoint")
     assert secs < FAST, secs
 
 
