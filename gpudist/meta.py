@@ -7,10 +7,11 @@ every row and raises the same error:
 * :func:`derive_spec` -- the global shape of a tensor from its blocks' local shapes (what
   a plain local tensor needs at every call; a :class:`~gpudist.spec.DistTensor` never);
 * :func:`verify` -- run at a rank's first call of an operator or layer and whenever the
-  spec it passes differs from its previous call's: the operator, its configuration, the
-  tensor's spec, whether each rank's block matches it and whether it records the adjoint,
-  compared across the participants. Programs that disagree (another layer, another dtype,
-  a lying shape hint) fail here with a message that says what differs on which ranks.
+  spec it passes, or what the call records for backward, differs from its previous call's:
+  the operator, its configuration, the tensor's spec, whether each rank's block matches it
+  and what it records for the adjoint, compared across the participants. Programs that
+  disagree (another layer, another dtype, a lying shape hint, requires_grad) fail here with
+  a message that says what differs on which ranks.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ MAGIC = 0x6D657461
 _NAME_WORDS = 3
 ROW = 1 + _NAME_WORDS + 6 + 2 * MAX_DIM
 OK, BAD_BLOCK, ABSENT = 1, 0, 2
-_STATUS_MASK, _GRAD_MASK = 0x7, 0x18  # a verify row's status: block state | grad mode
-_GRAD_BITS = {None: 0, False: 0x8, True: 0x10}
+# a verify row's status: block state (bits 0-2) | 1 + what the call records for backward
+# (bits 3-5; 0: not said)
+_STATUS_MASK, _GRAD_SHIFT = 0x7, 3
 META_FP = 0x4D455441
 _DEVICES = ("cpu", "cuda")
 
@@ -188,15 +190,23 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     return spec
 
 
+def _records(grad: int) -> str:
+    """What a call records for backward, from its grad state (see :func:`verify`)."""
+    parts = [t for bit, t in ((1, "the input requires grad"),
+                              (2, "the parameters require grad")) if grad & bit]
+    return " and ".join(parts) or "nothing requires grad (or no grad mode)"
+
+
 def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
-           local_ok: bool, ranks: Sequence[int] | None = None, grad: bool | None = None,
+           local_ok: bool, ranks: Sequence[int] | None = None, grad: int | None = None,
            bad_text: str | None = None) -> None:
     """Check, across ``group``, that every rank runs the same operator (``what`` and its
     ``config`` hash) on the same ``spec``, that every block matches it, and (``grad`` not
-    None) that every rank records the operator for backward alike (else the adjoint would
-    run on some ranks only and wait for the others forever). ``bad_text``: the message for
-    ranks whose ``local_ok`` is False (``{ranks}`` is filled in), where what is checked is
-    not the block itself."""
+    None) that every rank records the same adjoints for backward (else they would run on
+    some ranks only: a wait, or a message a later call receives). ``grad``: bit 1 the input
+    records its graph (requires grad, in grad mode), bit 2 the parameters do (a bool: the
+    input alone). ``bad_text``: the message for ranks whose ``local_ok`` is False
+    (``{ranks}`` is filled in), where what is checked is not the block itself."""
     if group is None or group.size == 1:
         if not local_ok:
             me = [spec.partition.world.rank] if spec else []
@@ -205,7 +215,8 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
                 f"{what}: this rank's block does not match "
                 f"{spec.describe() if spec else 'its spec'}"))
         return
-    status = (OK if local_ok else BAD_BLOCK) | _GRAD_BITS[grad]
+    status = (OK if local_ok else BAD_BLOCK) | (
+        0 if grad is None else (1 + int(grad)) << _GRAD_SHIFT)
     row = Row.make(what, status, config,
                    spec.dtype if spec else None, spec.device_type if spec else "cpu",
                    None, spec.global_shape if spec else None,
@@ -219,14 +230,15 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
         raise raised_everywhere(MismatchError(
             f"{what}: ranks disagree about the tensor ({detail}): dtype, global shape, "
             f"device or partition differ"))
-    grads = {r: x.status & _GRAD_MASK for r, x in zip(group.ranks, rows)}
-    if {_GRAD_BITS[True], _GRAD_BITS[False]} <= set(grads.values()):
-        on = [r for r, g in grads.items() if g == _GRAD_BITS[True]]
-        off = [r for r, g in grads.items() if g == _GRAD_BITS[False]]
+    grads = {r: (x.status >> _GRAD_SHIFT) - 1 for r, x in zip(group.ranks, rows)
+             if x.status >> _GRAD_SHIFT}
+    if len(set(grads.values())) > 1:
+        detail = "; ".join(f"rank {r}: {_records(g)}" for r, g in grads.items())
         raise raised_everywhere(MismatchError(
-            f"{what}: the input requires grad (in grad mode) on ranks {on} but not on ranks "
-            f"{off}: backward would run the adjoint on some ranks only. Make the blocks "
-            f"require grad on every rank, zero-volume ones too, or on none"))
+            f"{what}: ranks differ in what this call records for backward ({detail}): the "
+            f"adjoints would run on some ranks only. Make the blocks (zero-volume ones too) "
+            f"and the parameters require grad alike on every rank, under the same grad "
+            f"mode"))
     bad = [r for r, x in zip(group.ranks, rows) if x.status & _STATUS_MASK != OK]
     if bad:
         raise raised_everywhere(ShapeError(

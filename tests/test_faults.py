@@ -17,7 +17,14 @@ import gpudist
 import gpudist.nn as gnn
 from gpudist import DistTensor, Partition, TensorSpec
 from gpudist.halo import HaloExchange
-from gpudist.primitives import AllSumReduce, Repartition, collect, distribute
+from gpudist.primitives import (
+    AllSumReduce,
+    Broadcast,
+    Repartition,
+    SumReduce,
+    collect,
+    distribute,
+)
 from gpudist.spec import PARTIAL
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
@@ -483,41 +490,50 @@ def test_requires_grad_on_some_ranks_is_a_mismatch(cluster, backend, kind):
     assert secs < FAST, secs
 
 
-def _grad_on_one_rank_later(kind):
-    """requires_grad on rank 1 only, at a call whose spec repeats the last call's (not
-    checked across ranks: a spec change is): rank 1 runs the adjoint, rank 0 its next
-    forward. Both directions move the same counts here; on one communicator the adjoint
-    met the forward and both returned wrong sums."""
+def _grad_differs_later(kind, off):
+    """requires_grad False on rank ``off`` only, at a call whose spec repeats the last
+    call's; the ranks that record the adjoint run backward, then every rank trains on. The
+    adjoint met the next forward (an all-reduce, an even Repartition: the same counts) or a
+    later adjoint (a broadcast's root and a reduce's senders complete without their peers)
+    and returned wrong sums."""
     w = gpudist.world()
+    P, P1 = Partition([0, 1], (2,)), Partition([0], (1,))
+    placements, src = None, P
     if kind == "conv":
         P, op = _mixed_op("conv")
-        g = (1, 2, 8, 6)
+        src, g = P, (1, 2, 8, 6)
+    elif kind == "bcast":
+        op, src, g = Broadcast(P1, P), P1, (3,)
     else:
-        P = Partition([0, 1], (2,))
-        op = AllSumReduce(P, [0]) if kind == "allsum" else Repartition(
-            P, Partition([1, 0], (2,)))
         g = (4,)
-
-    def x(v, grad):
-        spec = TensorSpec(P, g, torch.float64, "cpu",
-                          (PARTIAL,) if kind == "allsum" else None)
-        loc = torch.full(spec.local_shape, float(v), dtype=torch.float64)
-        return DistTensor(loc.requires_grad_(grad), spec)
-
-    op(x(1, True)).local.sum().backward()  # checked: every rank records the adjoint
-    y = op(x(2, w.rank == 1))
-    if w.rank == 1:
-        y.local.sum().backward()
-        return "adjoint"
-    return op(x(3, False)).local.sum().item()
+        if kind == "sumreduce":
+            op, placements = SumReduce(P, P1), (PARTIAL,)
+        elif kind == "allsum":
+            op, placements = AllSumReduce(P, [0]), (PARTIAL,)
+        else:
+            op = Repartition(P, Partition([1, 0], (2,)))
+    spec = TensorSpec(src, g, torch.float64, "cpu", placements)
+    grads = []
+    for step in range(3):
+        grad = step != 1 or w.rank != off
+        loc = torch.full(spec.local_shape, 1.0 + step, dtype=torch.float64)
+        x = DistTensor(loc.requires_grad_(grad), spec)
+        y = op(x)
+        if grad:
+            y.local.sum().backward()
+            grads.append(loc.grad.sum().item())
+    return grads
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["allsum", "repart", "conv"])
-def test_requires_grad_on_one_rank_at_a_repeated_spec(cluster, backend, kind):
-    """Adjoints travel on their own communicators: a mismatch, never a wrong sum."""
-    errs, secs = _run_timed(cluster, 2, _grad_on_one_rank_later, kind, backend=backend)
-    _is_mismatch_everywhere(errs, "adjoint")
+@pytest.mark.parametrize("kind,off", [("allsum", 0), ("repart", 0), ("conv", 0),
+                                      ("bcast", 0), ("bcast", 1), ("sumreduce", 0),
+                                      ("sumreduce", 1)])
+def test_requires_grad_differing_at_a_repeated_spec(cluster, backend, kind, off):
+    """A change of what a call records for backward is checked across ranks: a mismatch
+    on every rank, never a wrong sum."""
+    errs, secs = _run_timed(cluster, 2, _grad_differs_later, kind, off, backend=backend)
+    _is_mismatch_everywhere(errs)
     assert secs < FAST, secs
 
 

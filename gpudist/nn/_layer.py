@@ -67,7 +67,8 @@ class DistributedModule(torch.nn.Module):
         g = self.world.transport.group(ranks) if len(ranks) > 1 else None
         self._group = g if self.world.rank in ranks else None
         self._uid = self.world.next_uid(("layer", self.participants))
-        self._last: TensorSpec | None = None
+        self._last: tuple[TensorSpec, int | None] | None = None  # the last call's, and
+        self._param_modules: tuple[torch.nn.Module, ...] | None = None  # its grad state
         self._plans = LRU(self.world.cache_size)
 
     @property
@@ -119,22 +120,37 @@ class DistributedModule(torch.nn.Module):
                 f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
-    def plan(self, spec: TensorSpec, grad: bool | None = None, local_ok: bool = True,
+    def grad_state(self, local: torch.Tensor) -> int:
+        """What a call on block ``local`` records for backward (ranks must agree on it):
+        bit 1 the input's graph, bit 2 the parameters' (0: nothing, e.g. under no_grad)."""
+        if not torch.is_grad_enabled():
+            return 0
+        state = 1 if local.requires_grad else 0
+        mods = self._param_modules
+        if mods is None:  # the layer's modules that hold parameters (fixed once built)
+            mods = self._param_modules = tuple(m for m in self.modules() if m._parameters)
+        for m in mods:
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad:
+                    return state | 2
+        return state
+
+    def plan(self, spec: TensorSpec, grad: int | None = None, local_ok: bool = True,
              bad_text: str | None = None):
         """The layer's plan for input ``spec`` (cached, LRU). At this rank's first call and
-        whenever the spec differs from its last call's, the participants first compare
-        their calls (:func:`~gpudist.meta.verify`, also comparing ``grad``: whether the
-        input records the graph; None: not said): two cached plans used one on some ranks
-        and the other on the rest, or a spec refused on some ranks only, fail on every
-        rank. A change of grad mode alone is not checked (see ``Primitive.plan``).
-        ``local_ok``/``bad_text``: a rank-local check of something beside the input (a
-        loss's target) that the check across ranks then reports on every rank."""
+        whenever the spec or ``grad`` (:meth:`grad_state`; None: not said) differs from its
+        last call's, the participants first compare their calls
+        (:func:`~gpudist.meta.verify`): two cached plans used one on some ranks and the
+        other on the rest, a spec refused on some ranks only, or adjoints recorded on some
+        ranks only fail on every rank (see ``Primitive.plan``). ``local_ok``/``bad_text``:
+        a rank-local check of something beside the input (a loss's target) that the check
+        across ranks then reports on every rank."""
         last = self._last
-        if last is None or (last is not spec and last != spec):
+        if last is None or last[1] != grad or (last[0] is not spec and last[0] != spec):
             if self.world.rank in self.participants:
                 verify(self._group, self.name, self.config(), spec, local_ok, grad=grad,
                        bad_text=bad_text)
-            self._last = spec
+            self._last = (spec, grad)
         self.check_kind(spec)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
@@ -152,7 +168,7 @@ class DistributedModule(torch.nn.Module):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
             spec = x.spec if dist_in else self.spec_of(local)
-            plan = self.plan(spec, local.requires_grad and torch.is_grad_enabled())
+            plan = self.plan(spec, self.grad_state(local))
             self.check_call(plan)
             local = spec.adopt(local)
             spec.check_local(local, self.name)

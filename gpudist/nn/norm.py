@@ -258,7 +258,11 @@ class _SyncBatchNorm(torch.autograd.Function):
         k1 = invstd if w is None else invstd * w.to(acc)
         k2 = (-k1 * invstd * invstd * (g[1] / n).to(acc))
         mdy = (g[0] / n).to(acc)
+        # dx = (x - mean) k2 - mdy k1 + dy k1
         s = _shape(x)
-        dx = torch.sub(x, mean.reshape(s)).mul_(k2.reshape(s))
-        dx.addcmul_(dy, k1.reshape(s)).sub_((mdy * k1).reshape(s))
+        if x.dtype == acc and x.dim() >= 2:  # two passes, the first _affine's kernel
+            dx = _affine(x, mean, k2, None, -mdy * k1).addcmul_(dy, k1.reshape(s))
+        else:  # in the accumulation dtype (float32 for half inputs)
+            dx = torch.sub(x, mean.reshape(s)).mul_(k2.reshape(s))
+            dx.addcmul_(dy, k1.reshape(s)).sub_((mdy * k1).reshape(s))
         return dx.to(x.dtype), dw, db, None, None, None

@@ -10,8 +10,9 @@ A primitive is a linear data movement ``F`` between distributed tensors with its
 
 :class:`Primitive` does the rest once: plans cached per input spec (an LRU of
 ``world.cache_size``), the spec checked across the participants at a rank's first call
-and whenever it differs from its previous call's (:func:`gpudist.meta.verify`: same
-operator, same spec, same grad mode, every block right), each call
+and whenever it (or whether the call records the adjoint) differs from its previous
+call's (:func:`gpudist.meta.verify`: same operator, same spec, same grad mode, every
+block right), each call
 numbered for the control plane's diagnostics, errors posted to the world
 (:meth:`gpudist.control.Control.scope`), and one ``torch.autograd.Function`` whose
 backward is the adjoint. A :class:`~gpudist.spec.DistTensor` in gives a DistTensor out; a
@@ -96,8 +97,9 @@ class Primitive(torch.nn.Module):
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
-        # the last call's (spec, plan): a call with another spec is checked across ranks
-        self._last: tuple[TensorSpec, Plan] | None = None
+        # the last call's (spec, plan, grad): a call with another spec or grad mode is
+        # checked across ranks
+        self._last: tuple[TensorSpec, Plan, bool | None] | None = None
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -128,28 +130,34 @@ class Primitive(torch.nn.Module):
     def plan(self, spec: TensorSpec, local_ok: bool = True, grad: bool | None = None
              ) -> Plan:
         """The cached plan for input ``spec``, checked across the participants
-        (:func:`~gpudist.meta.verify`) at this rank's first call and whenever the spec
-        differs from its last call's; the check also compares ``grad`` (whether the call
-        records the adjoint for backward; None: not said). The first check comes before the
-        plan is made, so that what it finds wrong in the spec is found alike on every rank.
+        (:func:`~gpudist.meta.verify`) at this rank's first call and whenever the spec or
+        ``grad`` (whether the call records the adjoint for backward; None: not said)
+        differs from its last call's. The first check comes before the plan is made, so
+        that what it finds wrong in the spec is found alike on every rank.
 
         Why at every change and not only at a plan's first use: two specs both planned
         earlier, passed one on some ranks and the other on the rest, would otherwise run
-        with mismatched counts (a silently wrong result, or a crash in the backend). A
-        rank whose spec changed checks; if its peers' did not change they are in the data
-        exchange instead, and the control plane reports the mismatch (the operator number
-        a peer waits at, run as another operator here) within ``diag_after`` seconds. A
-        change of grad mode alone is not checked (training steps and no-grad calls
-        alternate; ranks that disagree on it meet in the diagnostics at the adjoint)."""
+        with mismatched counts (a silently wrong result, or a crash in the backend); an
+        adjoint recorded on some ranks only would leave a message that a later call
+        receives (a broadcast's root and a reduce's senders complete without their
+        peers). A rank whose call changed checks; if its peers' did not change they are in
+        the data exchange instead, and the control plane reports the mismatch (the
+        operator number a peer waits at, run as another operator here) within
+        ``diag_after`` seconds. Every call is thus like the previous one on every rank,
+        or checked. Cost: none while calls repeat; one metadata exchange per change
+        (a layer called with and without grad in turn checks every call)."""
         last = self._last
-        if last is not None and last[0] is spec:
-            return last[1]
-        if self.member and (last is None or last[0] != spec):
+        if last is not None:
+            if grad is None:  # not said (a layer's plan, an inspection): as last time
+                grad = last[2]
+            if last[0] is spec and last[2] == grad:
+                return last[1]
+        if self.member and (last is None or last[2] != grad or last[0] != spec):
             verify(self.group, self.name, self.config, spec, local_ok, grad=grad)
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
-            self._last = (spec, p)
+            self._last = (spec, p, grad)
             return p
         try:
             self.check_input(spec)
@@ -167,7 +175,7 @@ class Primitive(torch.nn.Module):
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
         p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
-        self._last = (spec, p)
+        self._last = (spec, p, grad)
         return p
 
     def derive(self, x: torch.Tensor) -> TensorSpec:

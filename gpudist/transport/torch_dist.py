@@ -143,7 +143,7 @@ class TorchDistTransport(Transport):
         return self.staging.host(key, t.shape, t.dtype)
 
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
-              orig: torch.Tensor | None = None) -> Work:
+              orig: torch.Tensor | None = None, spin: bool = False) -> Work:
         def finish() -> None:
             try:
                 w.wait()
@@ -152,7 +152,7 @@ class TorchDistTransport(Transport):
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
-        return Work(what, w.is_completed, finish)
+        return Work(what, w.is_completed, finish, spin=spin)
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object, object]:
@@ -252,7 +252,9 @@ class TorchDistTransport(Transport):
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
-        return self._coll(w, group.doing("metadata exchange"))
+        # polled without naps at first: a few rows, done in tens of microseconds (the
+        # naps' backoff would add up to a millisecond to every check)
+        return self._coll(w, group.doing("metadata exchange"), spin=True)
 
     def finalize(self) -> None:
         self._waiter.stop()
