@@ -157,11 +157,16 @@ class DistributedLoss(DistributedModule):
         entries. Found at a call the ranks check (the first, another spec) it is raised on
         every rank; otherwise the rank whose target is wrong raises (its peers get the
         error as a RemoteError)."""
-        if isinstance(target, DistTensor) and target.spec.partition != spec.partition:
-            return (f"{self.name}: the target is distributed over partition "
-                    f"{target.spec.partition.shape} of ranks "
-                    f"{list(target.spec.partition.ranks)}, the input over "
-                    f"{spec.partition.shape} of ranks {list(spec.partition.ranks)}")
+        if isinstance(target, DistTensor):
+            P, got = spec.partition, target.spec.partition
+            shape = P.shape
+            if self.classwise and P.dim > 1 and not target.spec.dtype.is_floating_point:
+                shape = shape[:1] + shape[2:]  # class indices: the class dim's extent goes
+            if (got.ranks, got.shape) != (P.ranks, shape):
+                return (f"{self.name}: the target is distributed over partition "
+                        f"{got.shape} of ranks {list(got.ranks)}, but the input over "
+                        f"{P.shape} of ranks {list(P.ranks)} takes targets over {shape} of "
+                        f"those ranks")
         block = spec.local_shape
         if (not self.named or not self.P_x.active or not isinstance(t, torch.Tensor)
                 or math.prod(block) == 0):
