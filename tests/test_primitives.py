@@ -343,7 +343,6 @@ def _persistence_agreed():
     made = t.reduce_program((3,), torch.float64, 0, t.group(range(w.size)))
     t.finalize()
     t.world_meta.Free()
-    t._world.backward.Free()
     return t.persistent, t.persistent_reduce, made is None
 
 

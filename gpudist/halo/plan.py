@@ -29,7 +29,7 @@ from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
 from ..kernels.regions import box_shape, collapse, dense_strides
 from ..partition import Partition
-from ..transport.base import P2P, P2PProgram, Work, in_backward
+from ..transport.base import P2P, P2PProgram, Work
 from .geometry import HaloGeometry, WorkerHalo
 
 Box = tuple[tuple[int, int], ...]
@@ -318,9 +318,8 @@ class HaloPlan:
         """The steps for working buffers shaped like ``W``, made ready once per shape:
         forward sends ``send`` boxes and overwrites ``recv`` boxes; the adjoint sends
         ``recv`` boxes back and adds what arrives into ``send`` boxes (dimensions in
-        reverse order). Made per phase too: the transport's program is bound to the
-        communicator of the phase it is made in (:meth:`Group.data`)."""
-        key = (W.shape, W.dtype, W.device, adjoint, in_backward())
+        reverse order)."""
+        key = (W.shape, W.dtype, W.device, adjoint)
         steps = self._progs.get(key)
         if steps is None:
             steps = []

@@ -22,7 +22,7 @@ from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
-from ..transport.base import Group, in_backward
+from ..transport.base import Group
 from .base import Plan, Primitive, opaque_spec, zero_volume
 
 
@@ -136,14 +136,12 @@ class FanPlan:
 
     def _program(self, role: str, fan: _Fan, x: torch.Tensor):
         """The transport's reduce program for ``fan`` and sums shaped like ``x`` (None:
-        the backend has none, or ``x`` is not host memory); one per phase, as it is bound to
-        the communicator of the phase it is made in (:meth:`Group.data`)."""
+        the backend has none, or ``x`` is not host memory)."""
         if x.is_cuda:
             return None
-        key = (role, fan.one, in_backward())
-        lru = self._programs.get(key)
+        lru = self._programs.get((role, fan.one))
         if lru is None:
-            lru = self._programs[key] = LRU(self.world.cache_size)
+            lru = self._programs[(role, fan.one)] = LRU(self.world.cache_size)
         return lru.get_or_make((tuple(x.shape), x.dtype), lambda: (
             self.world.transport.reduce_program(x.shape, x.dtype, fan.one, fan.group)))
 

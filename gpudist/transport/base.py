@@ -1,15 +1,11 @@
 """The transport interface: the only thing a backend implements.
 
 Primitives are written once against :class:`Transport`; a backend only moves bytes. All
-ranks are *world* ranks. A :class:`Group` is a set of world ranks with three backend
-communicators: ``handle`` for data, ``backward`` for the data of calls made inside
-autograd's backward pass (the adjoints), and ``meta`` for the small metadata exchanges of
-:mod:`gpudist.meta`. Separate communicators mean a message can only meet its own kind: an
-adjoint on one rank can never be matched with the next forward on a rank that did not
-record it (``requires_grad`` differing between ranks), nor metadata with data; such a
-mismatch waits, and the control plane's diagnostics name it. ``Group.data()`` picks the
-communicator for a call made now. ``Transport.group(ranks)`` is collective over the whole
-world (like ``torch.distributed.new_group``) and cached.
+ranks are *world* ranks. A :class:`Group` is a set of world ranks with two backend
+communicators: ``handle`` for data and ``meta`` for the small metadata exchanges of
+:mod:`gpudist.meta` (so a metadata exchange can never be matched with a data collective of
+a rank that disagrees). ``Transport.group(ranks)`` is collective over the whole world (like
+``torch.distributed.new_group``) and cached.
 
 Every call starts asynchronously and returns :class:`Work`; :meth:`Transport.wait` waits
 for a batch through the world's control plane (:class:`gpudist.control.Control`): aborts
@@ -34,14 +30,6 @@ from ..control import Label, label_text
 
 DEFAULT_TIMEOUT_S = 120.0
 
-_graph_task = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def in_backward() -> bool:
-    """Whether the caller runs inside autograd's backward pass (on any rank, the adjoints of
-    the primitives and the backward of the layers' own functions). 0.06 us."""
-    return _graph_task is not None and _graph_task() >= 0
-
 
 @dataclass(eq=False)
 class Group:
@@ -50,7 +38,6 @@ class Group:
     ranks: tuple[int, ...]
     handle: object = field(repr=False, default=None)
     meta: object = field(repr=False, default=None)
-    backward: object = field(repr=False, default=None)
 
     @property
     def size(self) -> int:
@@ -58,11 +45,6 @@ class Group:
 
     def index(self, world_rank: int) -> int:
         return self.ranks.index(world_rank)
-
-    def data(self) -> object:
-        """The data communicator for a call made now: ``backward`` inside autograd's
-        backward pass, else ``handle``."""
-        return self.backward if in_backward() else self.handle
 
     def doing(self, what: str) -> Label:
         """The label "<what> over [ranks]" of an operation on this group, as a function:
@@ -186,7 +168,6 @@ class Transport(ABC):
 
     # -- groups -------------------------------------------------------------
     _groups: dict
-    _world: Group  # the whole world's group (point-to-point goes over its communicators)
     world_meta: object  # the meta communicator of the whole world, made at construction
 
     def group(self, ranks: Sequence[int]) -> Group:
@@ -203,8 +184,9 @@ class Transport(ABC):
         if g is None:
             if key != tuple(range(self.size)):
                 self._agree_on(key)
-            handles = self._make_group(key)
-            g = Group(key, *handles) if self.rank in key else Group(key)
+            handle, meta = self._make_group(key)
+            member = self.rank in key
+            g = Group(key, handle if member else None, meta if member else None)
             self._groups[key] = g
         return g
 
@@ -233,8 +215,8 @@ class Transport(ABC):
             raise err
 
     @abstractmethod
-    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object, object]:
-        """(data, meta, backward data) handles of a new group: world-collective, blocking."""
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
+        """(data handle, meta handle) of a new group: world-collective, blocking."""
 
     # -- point to point -----------------------------------------------------
     @abstractmethod
@@ -242,9 +224,7 @@ class Transport(ABC):
         """Start all sends/receives at once (order-independent, deadlock-free)."""
 
     def p2p_program(self, ops: Sequence[P2P]) -> P2PProgram:
-        """``ops`` prepared to be started many times (their tensors stay the same). A
-        prepared program is bound to the communicators of the phase it is made in
-        (:meth:`Group.data`): callers keep one per phase."""
+        """``ops`` prepared to be started many times (their tensors stay the same)."""
         return P2PProgram(self, ops)
 
     def reduce_program(self, shape: Sequence[int], dtype: torch.dtype, dst: int,
@@ -252,8 +232,7 @@ class Transport(ABC):
         """A sum into world rank ``dst`` over ``group`` on a host buffer the program owns,
         made once and started many times (a persistent collective), or None where the
         backend has none. Collective over the group: every member makes it, in the same
-        order as its other collectives; bound to the phase it is made in, like
-        :meth:`p2p_program`."""
+        order as its other collectives."""
         return None
 
     # -- collectives over a group (all start asynchronously) ----------------

@@ -90,8 +90,7 @@ class MPITransport(Transport):
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
         self.world_meta = self.comm.Dup()
-        self._world = Group(everyone, self.comm, self.world_meta, self.comm.Dup())
-        self._groups[everyone] = self._world
+        self._groups[everyone] = Group(everyone, self.comm, self.world_meta)
         # reduce programs are collective: made on every rank or on none, whatever one
         # rank's environment says (agreed here, while every rank is here anyway)
         self.persistent_reduce = bool(self.comm.allreduce(
@@ -158,17 +157,17 @@ class MPITransport(Transport):
         return Work(what, req.Test, back, spin=True, keep=(staged, other))
 
     # -- interface ----------------------------------------------------------
-    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object, object]:
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
         color = 0 if self.rank in key else self.MPI.UNDEFINED
         comm = self.comm.Split(color, self.rank)
         if comm == self.MPI.COMM_NULL:
-            return None, None, None
-        return comm, comm.Dup(), comm.Dup()
+            return None, None
+        return comm, comm.Dup()
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
             return []
-        reqs, back, keep, comm = [], [], [], self._world.data()
+        reqs, back, keep = [], [], []
         for o in ops:
             t = o.tensor
             if self._by_address(t):
@@ -179,9 +178,9 @@ class MPITransport(Transport):
                 buf, staged = self._dst(("p2p", o.op, o.peer, o.tag), t)
             keep.append(staged)
             if o.op == "send":
-                reqs.append(comm.Isend(buf, dest=o.peer, tag=o.tag))
+                reqs.append(self.comm.Isend(buf, dest=o.peer, tag=o.tag))
             else:
-                reqs.append(comm.Irecv(buf, source=o.peer, tag=o.tag))
+                reqs.append(self.comm.Irecv(buf, source=o.peer, tag=o.tag))
                 if staged is not t:
                     back.append((staged, t))
 
@@ -224,10 +223,10 @@ class MPITransport(Transport):
         key = ("bcast", group.ranks, src)
         if self.rank == src:
             buf, s = self._src(key, tensor)
-            req = group.data().Ibcast(buf, root=group.index(src))
+            req = group.handle.Ibcast(buf, root=group.index(src))
             return self._work(req, what, s)
         buf, s = self._dst(key, tensor)
-        req = group.data().Ibcast(buf, root=group.index(src))
+        req = group.handle.Ibcast(buf, root=group.index(src))
         return self._work(req, what, s, tensor)
 
     def reduce(self, tensor, dst, group):
@@ -236,26 +235,26 @@ class MPITransport(Transport):
         root = group.index(dst)
         buf, s = self._src(key, tensor, typed=True)
         if group.index(self.rank) == root:
-            req = group.data().Ireduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
+            req = group.handle.Ireduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
             return self._work(req, what, s, tensor)
-        req = group.data().Ireduce(buf, None, op=self.MPI.SUM, root=root)
+        req = group.handle.Ireduce(buf, None, op=self.MPI.SUM, root=root)
         return self._work(req, what, s)
 
     def all_reduce(self, tensor, group):
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
-        req = group.data().Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return self._work(req, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out, tensor, group):
         ob, so = self._dst(("ag-out", group.ranks), out)
         ib, si = self._src(("ag-in", group.ranks), tensor)
-        req = group.data().Iallgather(ib, ob)
+        req = group.handle.Iallgather(ib, ob)
         return self._work(req, group.doing("all-gather"), so, out, si)
 
     def reduce_scatter(self, out, inp, group):
         ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
         ib, si = self._src(("rs-in", group.ranks), inp, typed=True)
-        req = group.data().Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
+        req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
         return self._work(req, group.doing("reduce-scatter"), so, out, si)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group, even=False):
@@ -263,7 +262,7 @@ class MPITransport(Transport):
         ib, si = self._src(("a2a-in", group.ranks), inp)
         e = out.element_size()
         if even:  # the regular all-to-all on every rank (MPICH's Ialltoallv is ~40 % slower)
-            req = group.data().Ialltoall(ib, ob)
+            req = group.handle.Ialltoall(ib, ob)
             return self._work(req, group.doing("all-to-all"), so, out, si)
 
         def displ(splits):
@@ -274,7 +273,7 @@ class MPITransport(Transport):
             return d
 
         oc, ic = [x * e for x in out_splits], [x * e for x in in_splits]
-        req = group.data().Ialltoallv(
+        req = group.handle.Ialltoallv(
             [ib[0], (ic, displ(in_splits)), self.MPI.BYTE],
             [ob[0], (oc, displ(out_splits)), self.MPI.BYTE],
         )
@@ -325,7 +324,7 @@ class _Persistent(P2PProgram):
 
     def __init__(self, transport: MPITransport, ops: Sequence[P2P]) -> None:
         super().__init__(transport, ops)
-        comm, spec = transport._world.data(), transport._spec
+        comm, spec = transport.comm, transport._spec
         self.requests = _Requests(transport.MPI, [
             comm.Send_init(spec(o.tensor, False), dest=o.peer, tag=o.tag) if o.op == "send"
             else comm.Recv_init(spec(o.tensor, False), source=o.peer, tag=o.tag)
@@ -354,11 +353,11 @@ class _PersistentReduce(ReduceProgram):
                  dst: int, group: Group) -> None:
         MPI = transport.MPI
         self.buffer = torch.zeros(shape, dtype=dtype)
-        spec, root, comm = transport._spec(self.buffer, True), group.index(dst), group.data()
+        spec, root = transport._spec(self.buffer, True), group.index(dst)
         if transport.rank == dst:
-            req = comm.Reduce_init(MPI.IN_PLACE, spec, op=MPI.SUM, root=root)
+            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=MPI.SUM, root=root)
         else:
-            req = comm.Reduce_init(spec, None, op=MPI.SUM, root=root)
+            req = group.handle.Reduce_init(spec, None, op=MPI.SUM, root=root)
         self.requests = _Requests(MPI, [req], group.doing(f"reduce to {dst}"), self.buffer)
         self.free = self.requests.free
 

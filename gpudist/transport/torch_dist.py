@@ -112,9 +112,7 @@ class TorchDistTransport(Transport):
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
         self.world_meta = dist.new_group(list(everyone), timeout=self._td, backend="gloo")
-        self._world = Group(everyone, dist.group.WORLD, self.world_meta,
-                            dist.new_group(list(everyone), timeout=self._td))
-        self._groups[everyone] = self._world
+        self._groups[everyone] = Group(everyone, dist.group.WORLD, self.world_meta)
 
     # -- helpers ------------------------------------------------------------
     def native(self, t: torch.Tensor) -> bool:
@@ -155,15 +153,15 @@ class TorchDistTransport(Transport):
         return Work(what, w.is_completed, finish, spin=spin)
 
     # -- interface ----------------------------------------------------------
-    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object, object]:
+    def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
         handle = dist.new_group(list(key), timeout=self._td)
         meta = dist.new_group(list(key), timeout=self._td, backend="gloo")
-        return handle, meta, dist.new_group(list(key), timeout=self._td)
+        return handle, meta
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
             return []
-        dops, back, comm = [], [], self._world.data()
+        dops, back = [], []
         for o in ops:
             key = ("p2p", o.op, o.peer, o.tag)
             if o.op == "send":
@@ -173,7 +171,7 @@ class TorchDistTransport(Transport):
                 if t is not o.tensor:
                     back.append((t, o.tensor))
             fn = dist.isend if o.op == "send" else dist.irecv
-            dops.append(dist.P2POp(fn, t, o.peer, comm, o.tag))
+            dops.append(dist.P2POp(fn, t, o.peer, tag=o.tag))
         works = dist.batch_isend_irecv(dops)
         what = p2p_label(ops)
 
@@ -199,23 +197,23 @@ class TorchDistTransport(Transport):
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
         s = self._in(("bcast", group.ranks, src), tensor)
-        w = dist.broadcast(s, src, group=group.data(), async_op=True)
+        w = dist.broadcast(s, src, group=group.handle, async_op=True)
         return self._coll(w, group.doing(f"broadcast from {src}"), s, tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
-        w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.data(), async_op=True)
+        w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         return self._coll(w, group.doing(f"reduce to {dst}"), s, tensor)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
         s = self._in(("allreduce", group.ranks), tensor)
-        w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.data(), async_op=True)
+        w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         return self._coll(w, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
         so = self._out(("ag-out", group.ranks), out)
         si = self._in(("ag-in", group.ranks), tensor)
-        w = _all_gather_single(so, si, group=group.data(), async_op=True)
+        w = _all_gather_single(so, si, group=group.handle, async_op=True)
         return self._coll(w, group.doing("all-gather"), so, out)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
@@ -223,7 +221,7 @@ class TorchDistTransport(Transport):
         if self.backend == "gloo":  # gloo has no reduce_scatter: all-reduce, keep the slot
             s = self.staging.host(("rs-in", group.ranks), inp.shape, inp.dtype)
             s.copy_(inp)
-            w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.data(), async_op=True)
+            w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
             k = group.index(self.rank)
             n = out.numel()
 
@@ -237,7 +235,7 @@ class TorchDistTransport(Transport):
             return Work(what, w.is_completed, finish)
         so = self._out(("rs-out", group.ranks), out)
         si = self._in(("rs-in", group.ranks), inp)
-        w = dist.reduce_scatter_tensor(so, si, op=dist.ReduceOp.SUM, group=group.data(),
+        w = dist.reduce_scatter_tensor(so, si, op=dist.ReduceOp.SUM, group=group.handle,
                                        async_op=True)
         return self._coll(w, what, so, out)
 
@@ -246,7 +244,7 @@ class TorchDistTransport(Transport):
         so = self._out(("a2a-out", group.ranks), out)
         si = self._in(("a2a-in", group.ranks), inp)
         w = dist.all_to_all_single(
-            so, si, list(out_splits), list(in_splits), group=group.data(), async_op=True
+            so, si, list(out_splits), list(in_splits), group=group.handle, async_op=True
         )
         return self._coll(w, group.doing("all-to-all"), so, out)
 
