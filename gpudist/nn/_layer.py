@@ -32,6 +32,7 @@ from ..errors import (
 from ..meta import BAD_BLOCK, OK, Row, derive_spec, exchange, verify
 from ..partition import Partition
 from ..primitives import Repartition
+from ..primitives.base import refuse_nonreentrant_checkpoint
 from ..spec import DistTensor, TensorSpec, stable_hash
 from ._params import block
 
@@ -122,7 +123,8 @@ class DistributedModule(torch.nn.Module):
 
     def grad_state(self, local: torch.Tensor) -> int:
         """What a call on block ``local`` records for backward (ranks must agree on it):
-        bit 1 the input's graph, bit 2 the parameters' (0: nothing, e.g. under no_grad)."""
+        bit 1 the input's graph, bit 2 the parameters' (0: nothing, e.g. under no_grad).
+        A call that records refuses non-reentrant activation checkpointing."""
         if not torch.is_grad_enabled():
             return 0
         state = 1 if local.requires_grad else 0
@@ -132,7 +134,12 @@ class DistributedModule(torch.nn.Module):
         for m in mods:
             for p in m._parameters.values():
                 if p is not None and p.requires_grad:
-                    return state | 2
+                    state |= 2
+                    break
+            if state & 2:
+                break
+        if state:
+            refuse_nonreentrant_checkpoint(self.name)
         return state
 
     def plan(self, spec: TensorSpec, grad: int | None = None, local_ok: bool = True,
