@@ -131,13 +131,8 @@ class DistributedModule(torch.nn.Module):
         mods = self._param_modules
         if mods is None:  # the layer's modules that hold parameters (fixed once built)
             mods = self._param_modules = tuple(m for m in self.modules() if m._parameters)
-        for m in mods:
-            for p in m._parameters.values():
-                if p is not None and p.requires_grad:
-                    state |= 2
-                    break
-            if state & 2:
-                break
+        if any(p is not None and p.requires_grad for m in mods for p in m._parameters.values()):
+            state |= 2
         if state:
             refuse_nonreentrant_checkpoint(self.name)
         return state
