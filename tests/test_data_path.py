@@ -168,6 +168,34 @@ def test_nonreentrant_checkpoint_is_refused_everywhere(cluster):
                in e.message for e in errs), errs
 
 
+def _inference_then_train(mode):
+    """A forward under ``mode`` (inference_mode or no_grad), then training steps: the
+    buffers and plans the first call cached must serve the later ones (a fuzz found
+    inference tensors cached by the first call refused by autograd later)."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size, 1))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64)
+    pool = gnn.DistributedMaxPool2d(P, 3, 1, 1)
+    loss = gnn.DistributedLoss(P, "mse")
+    move = Repartition(P, Partition.grid((1, 1, 1, w.size)))
+    x = DistTensor.from_local(global_tensor((1, 2, 4, 6), seed=w.rank).requires_grad_(True),
+                              P, (1, 2, 4 * w.size, 6))
+    ctx = torch.inference_mode if mode == "inference" else torch.no_grad
+    with ctx():
+        loss(pool(conv(x)), torch.zeros(1, 2, 4, 6, dtype=torch.float64))
+        move(x)
+    for _ in range(2):
+        y = pool(conv(x))
+        (loss(y, y.local.detach() * 0.5) + move(y).local.sum()).backward()
+    return x.local.grad.tolist(), conv.weight.grad.tolist()
+
+
+def test_inference_mode_call_before_training(cluster):
+    got = cluster.run(2, _inference_then_train, "inference")
+    assert got == cluster.run(2, _inference_then_train, "no_grad")
+
+
 def test_world_size_one_no_meta_no_sync(cluster):
     (res,) = cluster.run(1, _count_meta)
     assert res[1:] == (0, 0), res

@@ -22,7 +22,8 @@ per call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,21 @@ def zero_volume(
 
 def is_zero_volume(x: torch.Tensor) -> bool:
     return x.numel() == 0
+
+
+def outside_inference_mode(fn: Callable) -> Callable:
+    """``fn`` (a layer's or primitive's entry) run as under ``no_grad`` where it is called
+    under ``torch.inference_mode``: the buffers and plans it caches are then normal
+    tensors that a later call in grad mode can reuse (an inference tensor cannot be
+    updated in place, or saved for backward, outside inference mode)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -203,6 +219,7 @@ class Primitive(torch.nn.Module):
         return derive_spec(self.in_partition, x, self.name, self.group)
 
     # -- calling -----------------------------------------------------------------------------
+    @outside_inference_mode
     def __call__(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         """Apply F; autograd's backward applies F*."""
         with self.world.control.scope(self.name):

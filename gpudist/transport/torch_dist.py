@@ -141,7 +141,7 @@ class TorchDistTransport(Transport):
         return self.staging.host(key, t.shape, t.dtype)
 
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
-              orig: torch.Tensor | None = None, spin: bool = False) -> Work:
+              orig: torch.Tensor | None = None) -> Work:
         def finish() -> None:
             try:
                 w.wait()
@@ -150,7 +150,7 @@ class TorchDistTransport(Transport):
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
-        return Work(what, w.is_completed, finish, spin=spin)
+        return Work(what, w.is_completed, finish)
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -250,9 +250,7 @@ class TorchDistTransport(Transport):
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
-        # polled without naps at first: a few rows, done in tens of microseconds (the
-        # naps' backoff would add up to a millisecond to every check)
-        return self._coll(w, group.doing("metadata exchange"), spin=True)
+        return self._coll(w, group.doing("metadata exchange"))
 
     def finalize(self) -> None:
         self._waiter.stop()
