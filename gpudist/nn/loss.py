@@ -156,9 +156,9 @@ class DistributedLoss(DistributedModule):
         tensor over the input's partition: its shape the input block's (class indices:
         without the class dim). torch would broadcast another shape (with a warning,
         dividing by the wrong count); a block of another partition would pair the wrong
-        entries. Found at a call the ranks check (the first, another spec) it is raised on
-        every rank; otherwise the rank whose target is wrong raises (its peers get the
-        error as a RemoteError)."""
+        entries. Found at a call the ranks check (the first, another spec or grad state)
+        it is raised on every rank; otherwise the rank whose target is wrong raises (its
+        peers get the error as a RemoteError)."""
         if isinstance(target, DistTensor):
             P, got = spec.partition, target.spec.partition
             shape = P.shape
