@@ -118,7 +118,8 @@ def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
         err = MismatchError(
             f"{what}: ranks run different operators at the same point of the program "
             f"({detail}): the program differs between ranks (a layer or partition created, "
-            f"skipped or called on some ranks only, or a layer built with other options)")
+            f"skipped or called on some ranks only, or a layer built with other options, "
+            f"or its options or parameter dtypes changed on some ranks)")
         from .runtime import require_world
 
         require_world(None).control.abort(err, what)  # the programs diverged: no way on

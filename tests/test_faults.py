@@ -537,6 +537,35 @@ def test_requires_grad_differing_at_a_repeated_spec(cluster, backend, kind, off)
     assert secs < FAST, secs
 
 
+def _state_changed_on_one_rank(what):
+    """After a first call, one rank changes the layer: an option (batch norm's eps), its
+    parameters' dtype, or builds nothing new at all (a fuzz found the first two silently
+    wrong, the last one a timeout on its peers)."""
+    w = gpudist.world()
+    P = Partition([0, 1], (1, 1, 2, 1))
+    torch.manual_seed(0)
+    if what == "conv":
+        layer, dt = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64), \
+            torch.float64
+    else:
+        layer, dt = gnn.DistributedBatchNorm(P, 2), torch.float32
+    x = _dist(P, (2, 2, 6, 4), dt)
+    layer(x)
+    if w.rank == 1:
+        if what == "eps":
+            layer.eps = 0.5
+        else:
+            layer.double() if what == "bn_double" else layer.float()
+    return layer(x).local.sum().item()
+
+
+@pytest.mark.parametrize("what", ["eps", "bn_double", "conv"])
+def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what):
+    errs, secs = _run_timed(cluster, 2, _state_changed_on_one_rank, what)
+    _is_mismatch_everywhere(errs)
+    assert secs < FAST, secs
+
+
 def _plan_on_one_rank():
     """A correct program: rank 0 alone inspects its local halo plan between two calls."""
     P, _ = _mixed_op("pool")

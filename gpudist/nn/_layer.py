@@ -68,8 +68,9 @@ class DistributedModule(torch.nn.Module):
         g = self.world.transport.group(ranks) if len(ranks) > 1 else None
         self._group = g if self.world.rank in ranks else None
         self._uid = self.world.next_uid(("layer", self.participants))
-        self._last: tuple[TensorSpec, int | None] | None = None  # the last call's, and
-        self._param_modules: tuple[torch.nn.Module, ...] | None = None  # its grad state
+        # the last call's spec, grad state and parameter kinds (None: check the next call)
+        self._last: tuple[TensorSpec, int | None, tuple] | None = None
+        self._param_modules: tuple[torch.nn.Module, ...] | None = None
         self._plans = LRU(self.world.cache_size)
 
     @property
@@ -121,6 +122,28 @@ class DistributedModule(torch.nn.Module):
                 f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
+    def __setattr__(self, name: str, value) -> None:
+        """An option or parameter set after a call (``momentum``, ``eps``, ``weight``,
+        ``train()``) makes the next call check its configuration across ranks again: a
+        change made on some ranks only is a MismatchError, not a silently different
+        layer there."""
+        super().__setattr__(name, value)
+        if name[0] != "_" and self.__dict__.get("_last") is not None:
+            self.__dict__["_last"] = None
+
+    def _param_kinds(self) -> tuple:
+        """The parameters' dtypes and devices (alike on every rank) and this rank's block
+        shapes: a change (``layer.double()`` on one rank) makes the next call check."""
+        return tuple((p.dtype, p.device.type, p.shape) for m in self._holders()
+                     for p in m._parameters.values() if p is not None)
+
+    def _holders(self) -> tuple[torch.nn.Module, ...]:
+        """The layer's modules that hold parameters (fixed once built)."""
+        mods = self._param_modules
+        if mods is None:
+            mods = self._param_modules = tuple(m for m in self.modules() if m._parameters)
+        return mods
+
     def grad_state(self, local: torch.Tensor) -> int:
         """What a call on block ``local`` records for backward (ranks must agree on it):
         bit 1 the input's graph, bit 2 the parameters' (0: nothing, e.g. under no_grad).
@@ -128,10 +151,8 @@ class DistributedModule(torch.nn.Module):
         if not torch.is_grad_enabled():
             return 0
         state = 1 if local.requires_grad else 0
-        mods = self._param_modules
-        if mods is None:  # the layer's modules that hold parameters (fixed once built)
-            mods = self._param_modules = tuple(m for m in self.modules() if m._parameters)
-        if any(p is not None and p.requires_grad for m in mods for p in m._parameters.values()):
+        if any(p is not None and p.requires_grad
+               for m in self._holders() for p in m._parameters.values()):
             state |= 2
         if state:
             refuse_nonreentrant_checkpoint(self.name)
@@ -147,12 +168,14 @@ class DistributedModule(torch.nn.Module):
         ranks only fail on every rank (see ``Primitive.plan``). ``local_ok``/``bad_text``:
         a rank-local check of something beside the input (a loss's target) that the check
         across ranks then reports on every rank."""
-        last = self._last
-        if last is None or last[1] != grad or (last[0] is not spec and last[0] != spec):
+        last, kinds = self._last, self._param_kinds()
+        if (last is None or last[1] != grad or last[2] != kinds
+                or (last[0] is not spec and last[0] != spec)):
             if self.world.rank in self.participants:
-                verify(self._group, self.name, self.config(), spec, local_ok, grad=grad,
+                config = stable_hash((self.config(), [k[:2] for k in kinds]))
+                verify(self._group, self.name, config, spec, local_ok, grad=grad,
                        bad_text=bad_text)
-            self._last = (spec, grad)
+            self.__dict__["_last"] = (spec, grad, kinds)
         self.check_kind(spec)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
