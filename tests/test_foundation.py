@@ -10,6 +10,7 @@ import torch
 
 import gpudist
 from gpudist import Decomposition, Partition, ShapeError
+from gpudist.primitives import distribute
 from gpudist.runtime import detect_launch, first_host
 from gpudist.transport.base import P2P
 
@@ -269,12 +270,19 @@ def _call_after_finalize():
     conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
     x = DistTensor.from_local(torch.randn(1, 2, 4), P, (1, 2, 8))
     conv(x)
+    root = Partition([1], (1, 1, 1))
     gpudist.finalize()
-    try:
-        conv(x)
-    except gpudist.WorldFinalized as e:
-        return str(e)
-    return "no error"
+    out = []
+    for build_new in (False, True):  # the old layer; a new primitive (distribute builds one)
+        try:
+            conv(x) if not build_new else distribute(
+                torch.zeros(1, 2, 8) if root.active else torch.zeros(0), root, P,
+                global_shape=(1, 2, 8))
+        except gpudist.WorldFinalized as e:
+            out.append(str(e))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 def test_call_after_finalize_says_so(cluster, backend):
@@ -282,7 +290,7 @@ def test_call_after_finalize_says_so(cluster, backend):
     gloo's 'Group ... is not registered', MPI's 'Null MPI_Request')."""
     out = cluster.run(2, _call_after_finalize, backend=backend)
     cluster.discard(2, backend)
-    assert all("finalize() was called" in o for o in out), out
+    assert all(len(o) == 2 and all("finalize() was called" in t for t in o) for o in out), out
 
 
 def test_missing_peer_times_out(cluster, backend):

@@ -118,6 +118,7 @@ class Primitive(torch.nn.Module):
 
     def __init__(self, world: World, participants: Sequence[int], config: object) -> None:
         super().__init__()
+        world.control.ensure_alive()  # not after finalize() or an abort: say so
         self.world = world
         ranks = sorted(set(int(r) for r in participants))
         self.participants = tuple(ranks)
