@@ -100,26 +100,28 @@ class DistributedModule(torch.nn.Module):
     #: whether the input must be floating point where the layer has floating parameters
     floating_input = True
 
-    def check_kind(self, spec: TensorSpec) -> None:
-        """The input's device and floating dtype against the parameters' (every rank
-        raises alike: parameters have the same dtype and device everywhere)."""
-        p = next((q for q in self.parameters() if q.is_floating_point()), None)
-        if p is None:
+    def check_kind(self, spec: TensorSpec, kinds: tuple) -> None:
+        """The input's device and floating dtype against the parameters' (``kinds``:
+        :meth:`_param_kinds`; every rank raises alike: the check across ranks compared the
+        parameters' dtypes and devices)."""
+        k = next((k for k in kinds if k[0].is_floating_point), None)
+        if k is None:
             return
-        if spec.device_type != p.device.type:
+        dtype, device = k[:2]
+        if spec.device_type != device:
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is on {spec.device_type}, the layer's parameters on "
-                f"{p.device.type}; move one of them (layer.to(device) or x.to(device))"))
+                f"{device}; move one of them (layer.to(device) or x.to(device))"))
         if self.floating_input and not (spec.dtype.is_floating_point or spec.dtype.is_complex):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}; the layer "
                 f"takes floating-point input (its parameters are "
-                f"{str(p.dtype).replace('torch.', '')}; torch's layer refuses it too)"))
+                f"{str(dtype).replace('torch.', '')}; torch's layer refuses it too)"))
         if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
-                and spec.dtype != p.dtype and not torch.is_autocast_enabled(p.device.type)):
+                and spec.dtype != dtype and not torch.is_autocast_enabled(device)):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}, the "
-                f"layer's parameters {str(p.dtype).replace('torch.', '')}; convert one of "
+                f"layer's parameters {str(dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
     def __setattr__(self, name: str, value) -> None:
@@ -132,10 +134,12 @@ class DistributedModule(torch.nn.Module):
             self.__dict__["_last"] = None
 
     def _param_kinds(self) -> tuple:
-        """The parameters' dtypes and devices (alike on every rank) and this rank's block
-        shapes: a change (``layer.double()`` on one rank) makes the next call check."""
-        return tuple((p.dtype, p.device.type, p.shape) for m in self._holders()
-                     for p in m._parameters.values() if p is not None)
+        """Per parameter: dtype and device (alike on every rank), this rank's block shape,
+        requires_grad. One scan per call: a change (``layer.double()`` on one rank) makes
+        the call check, and :meth:`grad_state` reads the parameters' grad from it."""
+        return tuple((p.dtype, p.device.type, p.shape, p.requires_grad)
+                     for m in self._holders() for p in m._parameters.values()
+                     if p is not None)
 
     def _holders(self) -> tuple[torch.nn.Module, ...]:
         """The layer's modules that hold parameters (fixed once built)."""
@@ -144,39 +148,40 @@ class DistributedModule(torch.nn.Module):
             mods = self._param_modules = tuple(m for m in self.modules() if m._parameters)
         return mods
 
-    def grad_state(self, local: torch.Tensor) -> int:
+    def grad_state(self, local: torch.Tensor, kinds: tuple) -> int:
         """What a call on block ``local`` records for backward (ranks must agree on it):
-        bit 1 the input's graph, bit 2 the parameters' (0: nothing, e.g. under no_grad).
-        A call that records refuses non-reentrant activation checkpointing."""
+        bit 1 the input's graph, bit 2 the parameters' (``kinds``: :meth:`_param_kinds`;
+        0: nothing, e.g. under no_grad). A call that records refuses non-reentrant
+        activation checkpointing."""
         if not torch.is_grad_enabled():
             return 0
-        state = 1 if local.requires_grad else 0
-        if any(p is not None and p.requires_grad
-               for m in self._holders() for p in m._parameters.values()):
-            state |= 2
+        state = (1 if local.requires_grad else 0) | (2 if any(k[3] for k in kinds) else 0)
         if state:
             refuse_nonreentrant_checkpoint(self.name)
         return state
 
-    def plan(self, spec: TensorSpec, grad: int | None = None, local_ok: bool = True,
-             bad_text: str | None = None):
+    def plan(self, spec: TensorSpec, local: torch.Tensor | None = None,
+             local_ok: bool = True, bad_text: str | None = None):
         """The layer's plan for input ``spec`` (cached, LRU). At this rank's first call and
-        whenever the spec or ``grad`` (:meth:`grad_state`; None: not said) differs from its
-        last call's, the participants first compare their calls
+        whenever the spec, what the call on block ``local`` records for backward
+        (:meth:`grad_state`; no ``local``: not said, as when a layer plans an inner one) or
+        the parameters' kinds differ from its last call's, or an option was set since, the
+        participants first compare their calls
         (:func:`~gpudist.meta.verify`): two cached plans used one on some ranks and the
         other on the rest, a spec refused on some ranks only, or adjoints recorded on some
         ranks only fail on every rank (see ``Primitive.plan``). ``local_ok``/``bad_text``:
         a rank-local check of something beside the input (a loss's target) that the check
         across ranks then reports on every rank."""
         last, kinds = self._last, self._param_kinds()
+        grad = self.grad_state(local, kinds) if local is not None else None
         if (last is None or last[1] != grad or last[2] != kinds
                 or (last[0] is not spec and last[0] != spec)):
             if self.world.rank in self.participants:
-                config = stable_hash((self.config(), [k[:2] for k in kinds]))
+                config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
                 verify(self._group, self.name, config, spec, local_ok, grad=grad,
                        bad_text=bad_text)
             self.__dict__["_last"] = (spec, grad, kinds)
-        self.check_kind(spec)
+        self.check_kind(spec, kinds)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(
                 f"{self.name}: the input is distributed over partition {spec.partition.shape}"
@@ -194,7 +199,7 @@ class DistributedModule(torch.nn.Module):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
             spec = x.spec if dist_in else self.spec_of(local)
-            plan = self.plan(spec, self.grad_state(local))
+            plan = self.plan(spec, local)
             self.check_call(plan)
             local = spec.adopt(local)
             spec.check_local(local, self.name)

@@ -119,7 +119,7 @@ class DistributedLoss(DistributedModule):
             t = target.local if isinstance(target, DistTensor) else target
             spec = x.spec if dist_in else self.spec_of(local)
             problem = self._target_problem(target, t, spec)
-            plan = self.plan(spec, self.grad_state(local), problem is None, self._bad_target)
+            plan = self.plan(spec, local, problem is None, self._bad_target)
             if (self.classwise and self.options.get("ignore_index", -100) >= 0
                     and t is not None and t.is_floating_point()):  # as torch, on every rank
                 raise raised_everywhere(ValueError(
