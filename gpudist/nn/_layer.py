@@ -36,6 +36,8 @@ from ..primitives.base import outside_inference_mode, refuse_nonreentrant_checkp
 from ..spec import DistTensor, TensorSpec, stable_hash
 from ._params import block
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def per_dim(name: str, layer: str, value, n: int, kind: type = int,
             allow_none: bool = False) -> tuple | None:
@@ -124,6 +126,37 @@ class DistributedModule(torch.nn.Module):
                 f"layer's parameters {str(dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
+    #: under ``torch.autocast``: "lower" (torch runs the op in autocast's dtype: conv,
+    #: linear), "float32" (torch runs it in float32: losses) or None (in the input's dtype)
+    autocast: str | None = None
+
+    def autocast_dtype(self, spec: TensorSpec) -> torch.dtype | None:
+        """The dtype a call on ``spec`` runs in under ``torch.autocast`` (None: the
+        input's), by torch's rule: float16, bfloat16 and float32 inputs are cast, others
+        (float64, integers) not."""
+        if self.autocast is None or spec.dtype not in _AUTOCAST_ELIGIBLE \
+                or not torch.is_autocast_enabled(spec.device_type):
+            return None
+        dt = (torch.get_autocast_dtype(spec.device_type) if self.autocast == "lower"
+              else torch.float32)
+        return dt if dt != spec.dtype else None
+
+    def autocast_input(self, local: torch.Tensor, spec: TensorSpec
+                       ) -> tuple[torch.Tensor, TensorSpec]:
+        """The block and spec a call runs on: cast at the layer's entry where autocast
+        casts (:meth:`autocast_dtype`), so that the whole layer, its halo exchange and
+        reductions included, runs in one dtype that every rank agrees on (the spec
+        carries it, and the check across ranks compares it: autocast on some ranks only
+        is a MismatchError). The cast is in the graph: the input's gradient comes back
+        in the input's dtype, as torch's."""
+        dt = self.autocast_dtype(spec)
+        if dt is None:
+            return local, spec
+        last = self.__dict__.get("_cast")  # the same spec object: the same cast spec
+        if last is None or last[0] is not spec or last[1] != dt:
+            last = self.__dict__["_cast"] = (spec, dt, spec.replace(dtype=dt))
+        return spec.adopt(local).to(dt), last[2]
+
     def __setattr__(self, name: str, value) -> None:
         """An option or parameter set after a call (``momentum``, ``eps``, ``weight``,
         ``train()``) makes the next call check its configuration across ranks again: a
@@ -199,6 +232,7 @@ class DistributedModule(torch.nn.Module):
             dist_in = isinstance(x, DistTensor)
             local = x.local if dist_in else x
             spec = x.spec if dist_in else self.spec_of(local)
+            local, spec = self.autocast_input(local, spec)
             plan = self.plan(spec, local)
             self.check_call(plan)
             local = spec.adopt(local)
@@ -207,11 +241,13 @@ class DistributedModule(torch.nn.Module):
                 y = self.run(local, plan)
             else:  # records the graph where a participant's output would: through the
                 # input or the layer's parameters (ranks must agree on it for the adjoints)
-                y = local.new_zeros(plan.out.local_shape)
+                y = local.new_zeros(plan.out.local_shape, dtype=plan.out.dtype)
                 tie = local if local.requires_grad else next(
                     (p for p in self.parameters() if p.requires_grad), None)
                 if tie is not None and torch.is_grad_enabled():
                     y = y + tie.sum() * 0
+            if y.dtype != plan.out.dtype:  # (autocast's promotions differ between ranks)
+                y = y.to(plan.out.dtype)
             return DistTensor(y, plan.out, check=False) if dist_in else y
 
     def make_plan(self, spec: TensorSpec):

@@ -70,6 +70,8 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
     ``padding_mode="zeros"`` is supported (the halo's global padding is zeros).
     """
 
+    autocast = "lower"  # torch.autocast runs it in its lower precision dtype
+
     spatial: int = 2
     #: compute the local conv as conv(block) + boundary strips instead of copying the block
     #: into the halo buffer (where the geometry allows; see :mod:`gpudist.nn.conv_strips`);

@@ -71,6 +71,8 @@ class _ChannelPlan:
 class _ChannelConvNd(ZeroParameters, DistributedModule):
     """What the channel-partitioned convolutions share (see the module docstring)."""
 
+    autocast = "lower"  # torch.autocast runs it in its lower precision dtype
+
     spatial: int = 2
     transposed: bool = False
     gather_form: bool = True  # AllGather form; False: ReduceScatter form

@@ -107,6 +107,8 @@ class DistributedConvTransposeNd(ShardedParameters, DistributedModule):
     block.
     """
 
+    autocast = "lower"  # torch.autocast runs it in its lower precision dtype
+
     spatial: int = 2
 
     def __init__(self, P_x: Partition, in_channels: int, out_channels: int,

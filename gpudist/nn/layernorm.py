@@ -72,6 +72,14 @@ class _Norm(DistributedModule):
     """What the layer norms share: statistics, the normalization, the affine step."""
 
     rms = False
+    autocast = "float32"
+
+    def autocast_dtype(self, spec):
+        """torch.autocast runs layer_norm in float32 on CUDA, in the input's dtype on the
+        CPU (its lists differ by device); RMS norm in the input's dtype."""
+        if self.rms or spec.device_type != "cuda":
+            return None
+        return super().autocast_dtype(spec)
 
     def __init__(self, P_x: Partition, normalized_shape: int | Sequence[int],
                  eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,

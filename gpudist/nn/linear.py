@@ -35,6 +35,8 @@ class DistributedLinear(ShardedParameters, DistributedModule):
     seeds on every rank give the sequential layer's values), each worker keeping its block.
     """
 
+    autocast = "lower"  # torch.autocast runs it in its lower precision dtype
+
     def __init__(self, P_x: Partition, P_y: Partition, P_w: Partition, in_features: int,
                  out_features: int, bias: bool = True, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -95,9 +97,10 @@ class DistributedLinear(ShardedParameters, DistributedModule):
     def run(self, x: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
         xw = self.x_bcast.apply(x, plan.x_bcast)
         if self.P_w.active:
-            y = F.linear(xw, self.weight)
-            if self.bias is not None:
-                y = y + self.bias if self.P_b.active else connect(y, self.bias)
+            here = self.bias is not None and self.P_b.active
+            y = F.linear(xw, self.weight, self.bias if here else None)
+            if self.bias is not None and not here:
+                y = connect(y, self.bias)
         else:
             y = connect(xw.new_zeros(plan.y_reduce.spec.local_shape), xw)
         return self.y_reduce.apply(y, plan.y_reduce)

@@ -127,6 +127,8 @@ class _ShardedLinear(DistributedModule):
     """What the sharded linear and expert layers share. ``experts``: a leading expert dim
     (split by partition axis 0) on the input and on both parameters."""
 
+    autocast = "lower"  # torch.autocast runs it in its lower precision dtype
+
     gather_form = True   # AllGather form (else ReduceScatter form)
     zero = False
     experts = False

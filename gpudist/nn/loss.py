@@ -59,6 +59,8 @@ class DistributedLoss(DistributedModule):
         if reduction not in _REDUCTIONS:
             raise raised_everywhere(ValueError(
                 f"reduction must be one of {', '.join(_REDUCTIONS)}, not {reduction!r}"))
+        # torch.autocast runs torch's losses in float32 (a callable: in the input's dtype)
+        self.autocast = "float32" if isinstance(loss, str) else None
         if isinstance(loss, str):
             if loss not in LOSSES:
                 raise raised_everywhere(ValueError(
@@ -118,6 +120,7 @@ class DistributedLoss(DistributedModule):
             local = x.local if dist_in else x
             t = target.local if isinstance(target, DistTensor) else target
             spec = x.spec if dist_in else self.spec_of(local)
+            local, spec = self.autocast_input(local, spec)
             problem = self._target_problem(target, t, spec)
             plan = self.plan(spec, local, problem is None, self._bad_target)
             if (self.classwise and self.options.get("ignore_index", -100) >= 0

@@ -247,6 +247,8 @@ class Primitive(torch.nn.Module):
             return z + local.sum() * 0 if local.requires_grad else z
         if plan.identity:
             return local
+        if local.dtype != plan.spec.dtype:  # the wire carries the agreed dtype (autocast's
+            local = local.to(plan.spec.dtype)  # promotions can differ between ranks)
         if local.requires_grad and torch.is_grad_enabled():
             refuse_nonreentrant_checkpoint(self.name)
             return _LinearOp.apply(self, plan, local)
