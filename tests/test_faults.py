@@ -28,6 +28,7 @@ from gpudist.primitives import (
 from gpudist.spec import PARTIAL
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
+from tests.util import assert_raised_everywhere
 
 FAST = 15.0  # seconds: far below the pools' 60 s timeout
 
@@ -564,6 +565,37 @@ def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what):
     errs, secs = _run_timed(cluster, 2, _state_changed_on_one_rank, what)
     _is_mismatch_everywhere(errs)
     assert secs < FAST, secs
+
+
+def _weight_reshaped(ranks, how):
+    """After a first call, a conv's weight is replaced by one of another shape on
+    ``ranks`` (a new Parameter, or its ``.data``): a fuzz found gloo killing the receiving
+    process (its size check), MPI "Other MPI error"."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size, 1))
+    conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
+    x = _dist(P, (2, 2, 2 * w.size, 4), torch.float64)
+    conv(x)
+    if w.rank in ranks:
+        new = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+        if how == "parameter":
+            conv.weight = torch.nn.Parameter(new)
+        else:
+            conv.weight.data = new
+    return conv(x).local.sum().item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["parameter", "data"])
+def test_parameter_of_another_shape_is_a_clear_error(cluster, backend, how):
+    """Replaced on every rank: a ShapeError naming the parameter on every rank; on one
+    rank: a mismatch on every rank (that rank checks, its peers are in the exchange)."""
+    errs, secs = _run_timed(cluster, 2, _weight_reshaped, (0, 1), how, backend=backend)
+    assert_raised_everywhere(errs, "ShapeError",
+                             "changed shape on rank(s) [0, 1] (here: weight (3, 2, 5, 5)")
+    errs, secs1 = _run_timed(cluster, 2, _weight_reshaped, (0,), how, backend=backend)
+    _is_mismatch_everywhere(errs)
+    assert secs + secs1 < 2 * FAST, (secs, secs1)
 
 
 def _plan_on_one_rank():

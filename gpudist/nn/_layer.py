@@ -174,6 +174,25 @@ class DistributedModule(torch.nn.Module):
                      for m in self._holders() for p in m._parameters.values()
                      if p is not None)
 
+    def _reshaped_parameters(self, kinds: tuple) -> str | None:
+        """What changed if a parameter's block no longer has the shape it had at the
+        layer's first call (None: nothing). The layer's plans and its peers' buffers are
+        made for those blocks: another shape would reach the backend as a size mismatch
+        (gloo kills the process). A message with ``{ranks}`` to fill in."""
+        shapes = tuple(k[2] for k in kinds)
+        first = self.__dict__.setdefault("_param_shapes", shapes)
+        if shapes == first:
+            return None
+        names = [n for _, m in self.named_modules() if m._parameters
+                 for n, p in m._parameters.items() if p is not None]
+        here = "; ".join(f"{n} {tuple(s)} (was {tuple(f)})" for n, s, f
+                         in zip(names, shapes, first) if s != f) or \
+            f"{len(shapes)} parameter blocks, were {len(first)}"
+        return (f"{self.name}: its parameters changed shape on rank(s) {{ranks}} (here: "
+                f"{here}); a layer's parameter blocks keep their shapes (its plans and its "
+                f"peers' buffers are made for them): load values with load_state_dict or "
+                f"load_global_state_dict, or build another layer")
+
     def _holders(self) -> tuple[torch.nn.Module, ...]:
         """The layer's modules that hold parameters (fixed once built)."""
         mods = self._param_modules
@@ -209,10 +228,15 @@ class DistributedModule(torch.nn.Module):
         grad = self.grad_state(local, kinds) if local is not None else None
         if (last is None or last[1] != grad or last[2] != kinds
                 or (last[0] is not spec and last[0] != spec)):
+            reshaped = self._reshaped_parameters(kinds)
+            if reshaped is not None:  # reported as a bad block would be
+                local_ok, bad_text = False, reshaped
             if self.world.rank in self.participants:
                 config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
                 verify(self._group, self.name, config, spec, local_ok, grad=grad,
                        bad_text=bad_text)
+            elif reshaped is not None:
+                raise ShapeError(reshaped.format(ranks=[self.world.rank]))
             self.__dict__["_last"] = (spec, grad, kinds)
         self.check_kind(spec, kinds)
         if spec.partition != self.P_in:
