@@ -32,7 +32,7 @@ from ..errors import (
 from ..meta import BAD_BLOCK, OK, Row, derive_spec, exchange, verify
 from ..partition import Partition
 from ..primitives import Repartition
-from ..primitives.base import outside_inference_mode, refuse_nonreentrant_checkpoint
+from ..primitives.base import entry, refuse_nonreentrant_checkpoint
 from ..spec import DistTensor, TensorSpec, stable_hash
 from ._params import block
 
@@ -250,7 +250,7 @@ class DistributedModule(torch.nn.Module):
             planning_error(e)
             raise
 
-    @outside_inference_mode
+    @entry
     def forward(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
             dist_in = isinstance(x, DistTensor)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import Plan, SumReduce
-from ..primitives.base import outside_inference_mode
+from ..primitives.base import entry
 from ..spec import PARTIAL, DistTensor, TensorSpec
 from ._layer import DistributedModule
 from ._params import connect
@@ -113,7 +113,7 @@ class DistributedLoss(DistributedModule):
             if k > 1 else spec.partition, g[:1] + g[2:], spec.dtype, spec.device_type)
         return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1)
 
-    @outside_inference_mode
+    @entry
     def forward(self, x: DistTensor | torch.Tensor, target) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
             dist_in = isinstance(x, DistTensor)

@@ -80,6 +80,14 @@ def outside_inference_mode(fn: Callable) -> Callable:
     return run
 
 
+def entry(fn: Callable) -> Callable:
+    """A layer's, loss's or primitive's call: :func:`outside_inference_mode`, and run
+    eagerly under ``torch.compile`` (the checks across ranks and the transports are Python
+    that dynamo cannot trace; the model's torch code around the call is still compiled).
+    0.3 us per call."""
+    return torch.compiler.disable(outside_inference_mode(fn))
+
+
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
@@ -220,7 +228,7 @@ class Primitive(torch.nn.Module):
         return derive_spec(self.in_partition, x, self.name, self.group)
 
     # -- calling -----------------------------------------------------------------------------
-    @outside_inference_mode
+    @entry
     def __call__(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         """Apply F; autograd's backward applies F*."""
         with self.world.control.scope(self.name):
