@@ -29,6 +29,7 @@ from .experts import (
     DistributedExpertReduceScatter,
     DistributedExpertReduceScatterZero,
 )
+from .grad_norm import clip_grad_norm_
 from .layernorm import DistributedLayerNorm, DistributedLayerNormZero, DistributedRMSNormZero
 from .linear import DistributedLinear
 from .linear_sharded import (
@@ -125,4 +126,5 @@ __all__ = [
     "LOSSES",
     "Repartition",
     "transposed_partition",
+    "clip_grad_norm_",
 ]

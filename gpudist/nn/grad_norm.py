@@ -1,0 +1,85 @@
+"""Gradient clipping by the whole model's norm: ``torch.nn.utils.clip_grad_norm_`` for a
+model whose parameters are split over ranks.
+
+torch's function sees one rank's blocks only: each rank would clip by another norm, and
+the ranks' blocks would stop being one model. Here each rank sums its part, one
+all-gather of four numbers per rank combines them, and every rank scales its gradients by
+the same factor: the sequential model's clipping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import MismatchError, raised_everywhere
+from ..partition import Partition
+from ..primitives import AllGather
+from ..runtime import require_world
+from ..spec import DistTensor, TensorSpec
+from ._layer import ShardedParameters
+
+_REPLICA_RTOL = 1e-6  # replicated gradients after an all-reduce agree to rounding
+
+
+def _part(grads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """sum |g|^p over these gradients (max |g| for p = inf), float64."""
+    vals = [g.detach().abs().max().double() if p == math.inf else
+            torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64) ** p
+            for g in grads if g.numel()]
+    if not vals:
+        return torch.zeros((), dtype=torch.float64)
+    vals = [v.cpu() for v in vals]
+    return torch.stack(vals).max() if p == math.inf else torch.stack(vals).sum()
+
+
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of ``module``'s parameters so that the whole model's gradient
+    norm is at most ``max_norm``; returns that norm (before clipping, float64, the same on
+    every rank). Collective: every rank calls it, with the same ``max_norm`` and
+    ``norm_type`` (checked).
+
+    The parameters of gpudist's layers are blocks: each element lives on one rank, and
+    the ranks' parts add up. Any other parameter (a plain torch layer's) is taken as
+    replicated: the same gradient on every rank (as after a data-parallel all-reduce),
+    counted once; where those gradients differ between ranks, a MismatchError on every
+    rank (clipping them would make the replicas diverge)."""
+    w = require_world(None)
+    p = float(norm_type)
+    sharded = {id(q) for m in module.modules() if isinstance(m, ShardedParameters)
+               for q in m.parameters()}
+    params = [q for q in module.parameters() if q.grad is not None]
+    mine = _part([q.grad for q in params if id(q) in sharded], p)
+    replicated = _part([q.grad for q in params if id(q) not in sharded], p)
+    row = torch.stack([mine, replicated, torch.tensor(p, dtype=torch.float64),
+                       torch.tensor(float(max_norm), dtype=torch.float64)])
+    if w.size > 1:
+        P = Partition.grid((w.size,))
+        gather = AllGather(P, 0, 0)
+        spec = TensorSpec(P, (4 * w.size,), torch.float64, w.device.type)
+        row = gather(DistTensor(row.to(w.device), spec)).local
+    rows = row.cpu().view(-1, 4).tolist()
+    if len({(r[2], r[3]) for r in rows}) > 1:
+        raise raised_everywhere(MismatchError(
+            f"clip_grad_norm_: the ranks passed different (norm_type, max_norm): "
+            f"{[(r[2], r[3]) for r in rows]}"))
+    rep = [r[1] for r in rows]
+    if max(rep) - min(rep) > _REPLICA_RTOL * max(abs(v) for v in rep):
+        raise raised_everywhere(MismatchError(
+            f"clip_grad_norm_: the gradients of the parameters outside gpudist's layers "
+            f"(taken as replicated) differ between ranks (their sum of |g|^p per rank: "
+            f"{rep}); make them equal first (e.g. all-reduce them, as data parallelism "
+            f"does)"))
+    parts = [r[0] for r in rows] + [rep[0]]
+    total = max(parts) if p == math.inf else sum(parts) ** (1.0 / p)
+    if error_if_nonfinite and not math.isfinite(total):
+        raise raised_everywhere(RuntimeError(
+            f"clip_grad_norm_: the total norm of order {p} of the gradients is non-finite "
+            f"({total}), so it cannot be clipped (error_if_nonfinite=True)"))
+    coef = min(float(max_norm) / (total + 1e-6), 1.0)
+    with torch.no_grad():
+        for q in params:
+            q.grad.mul_(coef)
+    return torch.tensor(total, dtype=torch.float64)
