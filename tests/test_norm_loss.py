@@ -248,3 +248,33 @@ def test_loss_none_on_an_inactive_rank(cluster):
     out = cluster.run(3, _none_on_an_inactive_rank)
     assert [o[2] for o in out] == [True, True, True], out
     assert out[2][1] == (0, 0), out
+
+
+def _bn_dtype_matrix():
+    """Which (parameter dtype, input dtype) pairs batch norm takes: torch's answer, and
+    whether gpudist's layer gives an output of torch's dtype or a DeviceError."""
+    P = Partition.grid((1, 1, gpudist.world().size, 1))
+    dts = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    out = []
+    for pd in (torch.float32, torch.float64):
+        layer = gnn.DistributedBatchNorm(P, 3, dtype=pd)
+        for xd in dts:
+            G = global_tensor((2, 3, 4, 3), seed=1).to(xd)
+            try:
+                want = str(torch.nn.BatchNorm2d(3, dtype=pd)(G).dtype)
+            except RuntimeError:
+                want = "refused"
+            try:
+                got = str(layer(DistTensor.from_local(block_of(G, P), P, G.shape)).dtype)
+            except gpudist.DeviceError:
+                got = "refused"
+            out.append((str(pd), str(xd), want, got))
+    return out
+
+
+def test_batch_norm_takes_the_dtypes_torch_takes(cluster):
+    res = cluster.run(2, _bn_dtype_matrix)
+    assert res[0] == res[1]
+    for pd, xd, want, got in res[0]:
+        assert want == got, (pd, xd, want, got)
+    assert sum(w == "refused" for *_, w, _ in res[0]) == 4  # f64 params: 3; f32 params: f64

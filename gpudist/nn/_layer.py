@@ -97,8 +97,9 @@ class DistributedModule(torch.nn.Module):
         collective per call; a :class:`DistTensor` costs none."""
         return derive_spec(self.P_in, x, self.name, self.world_group)
 
-    #: whether inputs must have the parameters' floating dtype (as torch's layers want)
-    same_dtype_as_parameters = True
+    #: whether inputs must have the parameters' floating dtype (as torch's layers want;
+    #: "half": or float16/bfloat16 with float32 parameters, as torch's batch norm takes)
+    same_dtype_as_parameters: bool | str = True
     #: whether the input must be floating point where the layer has floating parameters
     floating_input = True
 
@@ -119,8 +120,11 @@ class DistributedModule(torch.nn.Module):
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}; the layer "
                 f"takes floating-point input (its parameters are "
                 f"{str(dtype).replace('torch.', '')}; torch's layer refuses it too)"))
+        half_ok = (self.same_dtype_as_parameters == "half" and dtype == torch.float32
+                   and spec.dtype in (torch.float16, torch.bfloat16))
         if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
-                and spec.dtype != dtype and not torch.is_autocast_enabled(device)):
+                and spec.dtype != dtype and not half_ok
+                and not torch.is_autocast_enabled(device)):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}, the "
                 f"layer's parameters {str(dtype).replace('torch.', '')}; convert one of "
