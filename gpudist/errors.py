@@ -91,6 +91,15 @@ def planning_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def not_picklable(what: str) -> TypeError:
+    """The error of pickling (``torch.save(model)``) a layer, primitive or partition."""
+    return TypeError(
+        f"{what}: a gpudist layer, primitive or partition cannot be pickled (e.g. by "
+        f"torch.save(model)): it holds the world's communicators. Save the state instead: "
+        f"torch.save(model.state_dict(), path) per rank (it loads into the same layout), or "
+        f"a layer's global_state_dict() on its root (it loads into any layout)")
+
+
 def not_copyable(what: str) -> TypeError:
     """The error of ``copy.deepcopy`` on a layer or primitive (it holds communicators)."""
     return TypeError(

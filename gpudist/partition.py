@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .errors import PartitionError
+from .errors import PartitionError, not_picklable
 from .runtime import World, require_world
 from .transport.base import Group
 
@@ -163,6 +163,15 @@ class Partition:
 
     def __hash__(self) -> int:
         return hash(self.key)
+
+    def __copy__(self) -> Partition:  # an immutable value bound to the world: itself
+        return self
+
+    def __deepcopy__(self, memo) -> Partition:  # (so a DistTensor or TensorSpec copies)
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise not_picklable(repr(self))
 
     def __repr__(self) -> str:
         state = f"coords={self.coords}" if self.active else "inactive"

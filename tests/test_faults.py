@@ -886,3 +886,30 @@ def test_deepcopy_is_refused_with_what_to_do(cluster):
     way (it failed deep inside pickle: 'cannot pickle ProcessGroup')."""
     for out in cluster.run(2, _deepcopy):
         assert all("deepcopy of a gpudist layer" in o and "load_state_dict" in o for o in out), out
+
+
+def _pickle():
+    import copy
+    import io
+
+    P = Partition.grid((1, 1, 2))
+    out = []
+    for obj in (torch.nn.Sequential(_conv(P), torch.nn.ReLU()), AllSumReduce(P, axes=(2,)), P):
+        try:
+            torch.save(obj, io.BytesIO())
+            out.append("no error")
+        except TypeError as e:
+            out.append(str(e))
+    x = DistTensor.from_local(torch.ones(1, 2, 3), P, (1, 2, 6))
+    y = copy.deepcopy(x)  # a value: its block copied, its spec (and partition) shared
+    out.append(y.spec == x.spec and y.local is not x.local and torch.equal(y.local, x.local))
+    return out
+
+
+def test_pickling_is_refused_with_what_to_do(cluster):
+    """torch.save(model) of a model with gpudist layers names the problem and the way (it
+    failed inside pickle: "cannot pickle 'ProcessGroup'" on gloo, "'module'" on MPI); a
+    DistTensor deep-copies (it failed the same way)."""
+    for out in cluster.run(2, _pickle):
+        assert all("cannot be pickled" in o and "state_dict" in o for o in out[:3]), out
+        assert out[3] is True, out

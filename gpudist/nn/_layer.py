@@ -26,6 +26,7 @@ from ..errors import (
     MismatchError,
     ShapeError,
     not_copyable,
+    not_picklable,
     planning_error,
     raised_everywhere,
 )
@@ -81,6 +82,9 @@ class DistributedModule(torch.nn.Module):
 
     def __deepcopy__(self, memo):
         raise not_copyable(self.name)
+
+    def __reduce_ex__(self, protocol):
+        raise not_picklable(self.name)
 
     def config(self) -> int:
         """What the participants must agree on, as a hash: the layer's kind, input

@@ -30,7 +30,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..buffers import LRU, BufferPool
-from ..errors import DeviceError, ShapeError, not_copyable, planning_error, raised_everywhere
+from ..errors import (
+    DeviceError,
+    ShapeError,
+    not_copyable,
+    not_picklable,
+    planning_error,
+    raised_everywhere,
+)
 from ..meta import derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
@@ -283,6 +290,9 @@ class Primitive(torch.nn.Module):
 
     def __deepcopy__(self, memo):
         raise not_copyable(self.label)
+
+    def __reduce_ex__(self, protocol):
+        raise not_picklable(self.label)
 
     @property
     def label(self) -> str:
