@@ -95,6 +95,18 @@ def _layers():
             ("batchnorm_bf16", *load(gnn.DistributedBatchNorm(P, 3),
                                      torch.nn.BatchNorm2d(3)))):
         res[name] = _compare(layer, seq, P, (2, 3, 9, 7), dtype=BF16)
+    # 3-D pooling and area sampling: torch's CPU autocast runs them in float32
+    P3 = Partition.grid((1, 1, 2, n // 2, 1))
+    for name, layer, seq in (
+            ("maxpool3d_bf16", gnn.DistributedMaxPool3d(P3, 2), torch.nn.MaxPool3d(2)),
+            ("avgpool3d_bf16", gnn.DistributedAvgPool3d(P3, 2), torch.nn.AvgPool3d(2)),
+            ("area3d_bf16", gnn.DistributedUpsample(P3, scale_factor=0.5, mode="area"),
+             torch.nn.Upsample(scale_factor=0.5, mode="area"))):
+        res[name] = _compare(layer, seq, P3, (2, 2, 6, 6, 3), dtype=BF16)
+    # RMS norm with eps=None on bfloat16: torch takes float32's eps (its compute dtype)
+    Pr = Partition.grid((2, 1, n // 2))
+    res["rms_bf16"] = _compare(*load(gnn.DistributedRMSNormZero(Pr, (3, 5)),
+                                     torch.nn.RMSNorm((3, 5))), Pr, (4, 3, 5), dtype=BF16)
     # the 2-D linear layer (weight 2 x n/2), bias on one column only
     P_w = Partition.grid((2, n // 2))
     P_in = Partition([P_w.world_rank_of((0, j)) for j in range(n // 2)], (1, n // 2))
@@ -155,6 +167,7 @@ def test_layers_under_autocast_match_torch(cluster, backend):
     assert per_rank[0]["mse"]["Y_dtype"] == per_rank[0]["mse_bf16"]["Y_dtype"] == \
         "torch.float32"
     assert per_rank[0]["batchnorm_bf16"]["Y_dtype"] == "torch.bfloat16"
+    assert per_rank[0]["maxpool3d_bf16"]["Y_dtype"] == "torch.float32"
 
 
 def _autocast_on_rank0():
@@ -172,3 +185,25 @@ def test_autocast_on_some_ranks_is_a_mismatch(cluster, backend):
     errs = cluster.run(3, _autocast_on_rank0, backend=backend, expect_error=True,
                        timeout=120)
     assert_raised_everywhere(errs, "MismatchError", "bfloat16")
+
+
+def _float64_under_autocast(kind):
+    """float64 input to a float32 layer under autocast: autocast does not cast float64,
+    torch refuses the mix; so does gpudist, on every rank (it let it through: a raw torch
+    error on some ranks for the linear layer, a silent float64 result for the conv)."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size, 1))
+    layer = gnn.DistributedConv2d(P, 2, 2, 3, padding=1) if kind == "conv" else \
+        gnn.DistributedLinear(Partition.grid((1, w.size)), Partition.grid((1, 1)),
+                              Partition.grid((1, w.size)), 2 * w.size, 3)
+    g = (1, 2, 4 * w.size, 3) if kind == "conv" else (2, 2 * w.size)
+    Pin = P if kind == "conv" else Partition.grid((1, w.size))
+    x = DistTensor.from_local(block_of(global_tensor(g), Pin), Pin, g)  # float64
+    with torch.autocast("cpu", dtype=BF16):
+        layer(x)
+
+
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_float64_input_under_autocast_is_refused_everywhere(cluster, kind):
+    errs = cluster.run(3, _float64_under_autocast, kind, expect_error=True, timeout=60)
+    assert_raised_everywhere(errs, "DeviceError", "the input is float64")

@@ -126,17 +126,26 @@ class DistributedModule(torch.nn.Module):
                 f"{str(dtype).replace('torch.', '')}; torch's layer refuses it too)"))
         half_ok = (self.same_dtype_as_parameters == "half" and dtype == torch.float32
                    and spec.dtype in (torch.float16, torch.bfloat16))
+        cast = spec.dtype in _AUTOCAST_ELIGIBLE and dtype in _AUTOCAST_ELIGIBLE \
+            and torch.is_autocast_enabled(device)  # autocast casts both (not float64)
         if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
-                and spec.dtype != dtype and not half_ok
-                and not torch.is_autocast_enabled(device)):
+                and spec.dtype != dtype and not half_ok and not cast):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}, the "
                 f"layer's parameters {str(dtype).replace('torch.', '')}; convert one of "
                 f"them (torch's layer refuses the mix too)"))
 
     #: under ``torch.autocast``: "lower" (torch runs the op in autocast's dtype: conv,
-    #: linear), "float32" (torch runs it in float32: losses) or None (in the input's dtype)
+    #: linear), "float32" (torch runs it in float32: losses), "probe" (torch's lists
+    #: differ by device and op, e.g. 3-D pooling in float32 on the CPU: ask torch, see
+    #: :meth:`autocast_probe`) or None (in the input's dtype)
     autocast: str | None = None
+
+    def autocast_probe(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's torch op on a tiny tensor ``x`` (all sizes 1), for ``autocast =
+        "probe"``: the dtype of its output under the current autocast is the dtype the
+        layer runs in."""
+        raise NotImplementedError
 
     def autocast_dtype(self, spec: TensorSpec) -> torch.dtype | None:
         """The dtype a call on ``spec`` runs in under ``torch.autocast`` (None: the
@@ -145,8 +154,19 @@ class DistributedModule(torch.nn.Module):
         if self.autocast is None or spec.dtype not in _AUTOCAST_ELIGIBLE \
                 or not torch.is_autocast_enabled(spec.device_type):
             return None
-        dt = (torch.get_autocast_dtype(spec.device_type) if self.autocast == "lower"
-              else torch.float32)
+        if self.autocast == "lower":
+            dt = torch.get_autocast_dtype(spec.device_type)
+        elif self.autocast == "float32":
+            dt = torch.float32
+        else:  # asked once per (device, autocast dtype, input dtype, rank)
+            key = (spec.device_type, torch.get_autocast_dtype(spec.device_type),
+                   spec.dtype, spec.ndim)
+            probes = self.__dict__.setdefault("_autocast_probes", {})
+            dt = probes.get(key)
+            if dt is None:
+                x = torch.zeros((1,) * spec.ndim, dtype=spec.dtype, device=spec.device_type)
+                with torch.no_grad():
+                    dt = probes[key] = self.autocast_probe(x).dtype
         return dt if dt != spec.dtype else None
 
     def autocast_input(self, local: torch.Tensor, spec: TensorSpec

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
@@ -72,14 +73,11 @@ class _Norm(DistributedModule):
     """What the layer norms share: statistics, the normalization, the affine step."""
 
     rms = False
-    autocast = "float32"
+    autocast = "probe"  # torch.autocast: layer_norm in float32 on CUDA, not on the CPU
 
-    def autocast_dtype(self, spec):
-        """torch.autocast runs layer_norm in float32 on CUDA, in the input's dtype on the
-        CPU (its lists differ by device); RMS norm in the input's dtype."""
-        if self.rms or spec.device_type != "cuda":
-            return None
-        return super().autocast_dtype(spec)
+    def autocast_probe(self, x):
+        n = len(self.normalized_shape)
+        return (F.rms_norm if self.rms else F.layer_norm)(x, x.shape[x.dim() - n:])
 
     def __init__(self, P_x: Partition, normalized_shape: int | Sequence[int],
                  eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
@@ -147,8 +145,8 @@ class _Norm(DistributedModule):
         R = math.prod(rows)
         L = math.prod(x.shape[self.m:])
         eps = self.eps
-        if eps is None:
-            eps = torch.finfo(x.dtype).eps
+        if eps is None:  # torch's: the eps of the dtype it computes in (float32 for halves)
+            eps = torch.finfo(torch.float32 if x.dtype in _HALF else x.dtype).eps
         xhat = _Normalize.apply(x.reshape(R, L), self.stats, plan.fwd, plan.bwd, rows, plan.n,
                                 float(eps), self.rms).view(x.shape)
         w, b = self.affine(plan)

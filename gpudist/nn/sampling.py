@@ -343,6 +343,11 @@ class DistributedUpsample(DistributedModule):
     except in the nearest modes, whose torch gradient is not always the adjoint.
     """
 
+    autocast = "probe"  # torch.autocast: 3-D area (adaptive pooling) in float32 on the CPU
+
+    def autocast_probe(self, x):
+        return F.interpolate(x, tuple(x.shape[2:]), None, self.mode, self._align_arg)
+
     #: linear modes by integer scales, outputs aligned with the blocks: torch's kernel on
     #: the block and the edge outputs from thin strips of the halo
     #: (:mod:`gpudist.nn.sampling_edges`) instead of resampling the extended block and
