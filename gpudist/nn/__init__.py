@@ -29,7 +29,7 @@ from .experts import (
     DistributedExpertReduceScatter,
     DistributedExpertReduceScatterZero,
 )
-from .grad_norm import clip_grad_norm_
+from .gradients import GradScaler, clip_grad_norm_
 from .layernorm import DistributedLayerNorm, DistributedLayerNormZero, DistributedRMSNormZero
 from .linear import DistributedLinear
 from .linear_sharded import (
@@ -127,4 +127,5 @@ __all__ = [
     "Repartition",
     "transposed_partition",
     "clip_grad_norm_",
+    "GradScaler",
 ]

@@ -1,7 +1,7 @@
-"""gpudist.nn.clip_grad_norm_: the sequential model's clipping (torch's
+"""gpudist.nn.clip_grad_norm_ and GradScaler: the sequential model's clipping (torch's
 clip_grad_norm_ on the whole model) for a model split over ranks, every norm order, with a
-replicated plain parameter; differing replicated gradients or arguments are a
-MismatchError on every rank."""
+replicated plain parameter (differing replicated gradients or arguments are a
+MismatchError on every rank); loss scaling that skips a step on every rank alike."""
 
 import math
 
@@ -85,3 +85,43 @@ def _bad(what):
 def test_clip_grad_norm_refuses_disagreeing_ranks(cluster, what, text):
     errs = cluster.run(4, _bad, what, expect_error=True, timeout=60)
     assert_raised_everywhere(errs, "MismatchError", text)
+
+
+def _scaled_steps(use_gpudist):
+    """fp16 autocast with a loss scaler: a DistributedLinear whose weight is split over 2
+    ranks by input features; the first step's gradient overflows in rank 1's block only.
+    The sequential layer's scaler skips that step and halves its scale; so must every
+    rank's (torch's scaler per rank: rank 0 stepped, rank 1 skipped)."""
+    P = Partition.grid((1, 2))
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    lin = gnn.DistributedLinear(P, Partition([0], (1, 1)), P, 4, 3)
+    lin.load_global_state_dict(ref.state_dict())
+    opt, sopt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (lin, ref))
+    kind = gnn.GradScaler if use_gpudist else torch.amp.GradScaler
+    sc, ssc = kind("cpu", init_scale=2.0 ** 16), torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    out = []
+    for X in (torch.tensor([[1.0, 1.0, 3e4, 3e4]]), torch.tensor([[0.5, -1.0, 2.0, 1.0]])):
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = lin(DistTensor.from_local(block_of(X, P), P, X.shape)).local.float()
+            Y = ref(X).float()
+        sc.scale(y.sum() * 1e-4).backward()
+        ssc.scale(Y.sum() * 1e-4).backward()
+        for s, o in ((sc, opt), (ssc, sopt)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        sd = lin.global_state_dict()
+        out.append((sc.get_scale(), ssc.get_scale(),
+                    float((sd["weight"] - ref.weight).abs().max()) if sd else None))
+    return out
+
+
+def test_grad_scaler_skips_alike_on_every_rank(cluster):
+    for r in cluster.run(2, _scaled_steps, True):
+        assert [s for s, _, _ in r] == [t for _, t, _ in r] == [2.0 ** 15] * 2, r
+    root = cluster.run(2, _scaled_steps, True)[0]
+    assert all(e < 1e-6 for *_, e in root), root
+    # torch's scaler per rank: the ranks' scales part (the failure it fixes)
+    plain = cluster.run(2, _scaled_steps, False)
+    assert plain[0][0][0] != plain[1][0][0], plain

@@ -1,10 +1,11 @@
-"""Gradient clipping by the whole model's norm: ``torch.nn.utils.clip_grad_norm_`` for a
-model whose parameters are split over ranks.
+"""Gradient clipping by the whole model's norm (``torch.nn.utils.clip_grad_norm_``) and
+loss scaling (``torch.amp.GradScaler``) for a model whose parameters are split over
+ranks.
 
-torch's function sees one rank's blocks only: each rank would clip by another norm, and
-the ranks' blocks would stop being one model. Here each rank sums its part, one
-all-gather of four numbers per rank combines them, and every rank scales its gradients by
-the same factor: the sequential model's clipping.
+torch's versions see one rank's blocks only: each rank would clip by another norm, or
+skip a step its peers take, and the ranks' blocks would stop being one model. Here the
+ranks combine what they see (one small collective) and act alike: the sequential model's
+clipping and scaling.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 
 from ..errors import MismatchError, raised_everywhere
 from ..partition import Partition
-from ..primitives import AllGather
+from ..primitives import AllGather, AllSumReduce
 from ..runtime import require_world
-from ..spec import DistTensor, TensorSpec
+from ..spec import PARTIAL, DistTensor, TensorSpec
 from ._layer import ShardedParameters
 
 _REPLICA_RTOL = 1e-6  # replicated gradients after an all-reduce agree to rounding
@@ -83,3 +84,29 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
         for q in params:
             q.grad.mul_(coef)
     return torch.tensor(total, dtype=torch.float64)
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for a model split over ranks: whether a gradient overflowed
+    is agreed across the world (one all-reduce of one number per unscale, no host sync),
+    so every rank skips or takes the step and changes its scale alike, as the sequential
+    model's scaler does. torch's scaler on one rank sees that rank's blocks only: one rank
+    would skip a step its peers take, and their scales would differ from then on.
+    Collective where it unscales (``unscale_``, ``step``): every rank calls it."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        w = require_world(None)
+        if w.size == 1:
+            return per_device
+        if not per_device:  # no gradient here: a rank's vote, and step() needs an entry
+            per_device[found_inf.device] = torch.zeros_like(found_inf)
+        mine = sum(v.to(w.device, torch.float32).reshape(1) for v in per_device.values())
+        if getattr(self, "_gpudist_sum", None) is None:  # world-collective, made once
+            self._gpudist_sum = AllSumReduce(Partition.grid((w.size,)), axes=(0,))
+        spec = TensorSpec(Partition.grid((w.size,)), (1,), torch.float32, w.device.type,
+                          (PARTIAL,))
+        anywhere = self._gpudist_sum(DistTensor(mine, spec)).local.clamp(max=1.0)
+        for v in per_device.values():
+            v.copy_(anywhere.reshape(()))
+        return per_device
