@@ -336,8 +336,9 @@ class Control:
     def _mismatch(self, what: str, text: str) -> None:
         err = MismatchError(
             f"{text} (programs that differ between ranks: a layer or partition skipped or "
-            f"added on some ranks, or an input whose shape, spec or requires_grad differs on "
-            f"some ranks only)")
+            f"added on some ranks, or an input whose shape, spec, dtype or requires_grad "
+            f"differs on some ranks only, e.g. torch.autocast or no_grad on some ranks, or a "
+            f"layer changed on some ranks)")
         self.abort(err, what)
         raise err
 
