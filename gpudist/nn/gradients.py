@@ -31,8 +31,8 @@ def _part(grads: list[torch.Tensor], p: float) -> torch.Tensor:
             for g in grads if g.numel()]
     if not vals:
         return torch.zeros((), dtype=torch.float64)
-    vals = [v.cpu() for v in vals]
-    return torch.stack(vals).max() if p == math.inf else torch.stack(vals).sum()
+    both = torch.stack([v.to(vals[0].device) for v in vals])  # no host sync per gradient
+    return (both.max() if p == math.inf else both.sum()).cpu()
 
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
