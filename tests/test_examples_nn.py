@@ -259,9 +259,12 @@ def _transformer_training(cfg):
     return ref.step_loss, dist.step_loss, diff, moved
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
-def test_transformer_training_agrees(cluster, n):
+@pytest.mark.parametrize("n,clip", [(1, None), (2, None), (4, None), (4, 0.05)])
+def test_transformer_training_agrees(cluster, n, clip):
+    """(clip: gpudist.nn.clip_grad_norm_ on the distributed model, torch's on the
+    sequential one, every step; 0.05 clips every step here)"""
     cfg = _tr_small()
+    cfg.clip = clip
     seq, dist, diff, moved = cluster.run(n, _transformer_training, cfg)[0]
     assert len(seq) == len(dist) == cfg.steps
     assert max(abs(a - b) for a, b in zip(seq, dist)) < 1e-12, (seq, dist)

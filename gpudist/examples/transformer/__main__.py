@@ -33,13 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--clip", type=float, default=None,
+                   help="clip gradients to this norm of the whole model (default: off)")
     add_run_args(p, "transformer")
     return p.parse_args(argv)
 
 
 def config_from(a: argparse.Namespace) -> Config:
     return Config(steps=a.steps, batch_size=a.batch_size, context=a.context, dim=a.dim,
-                  heads=a.heads, layers=a.layers, lr=a.lr, seed=a.seed, dtype=a.dtype,
+                  heads=a.heads, layers=a.layers, lr=a.lr, clip=a.clip, seed=a.seed,
+                  dtype=a.dtype,
                   progress=not a.no_progress)
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from gpudist.decomposition import block_range
 
+from ...nn import clip_grad_norm_
 from ..common import DTYPES, GradSum, loss_panels, save_results, train_loop
 from .network import (
     CORPUS,
@@ -37,6 +38,7 @@ class Config:
     heads: int = 4
     layers: int = 2
     lr: float = 1e-2
+    clip: float | None = None  # gradient clipping by the whole model's norm (None: off)
     seed: int = 0
     dtype: str = "float64"
     progress: bool = True
@@ -69,20 +71,24 @@ def batches(cfg: Config, data: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 
 
 def sequential_step(net: CharTransformer, opt: torch.optim.Optimizer, x: torch.Tensor,
-                    t: torch.Tensor) -> float:
+                    t: torch.Tensor, clip: float | None = None) -> float:
     logits = net(x)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
     opt.step()
     return loss.item()
 
 
 def distributed_step(net: DistributedCharTransformer, opt: torch.optim.Optimizer,
-                     gsum: GradSum, x: torch.Tensor, t: torch.Tensor, batch: int) -> float:
+                     gsum: GradSum, x: torch.Tensor, t: torch.Tensor, batch: int,
+                     clip: float | None = None) -> float:
     """One step on every rank with its sequence blocks ``x``, ``t``: the local part of the
     mean cross-entropy, backward (the layers' adjoint collectives sum their parameter
-    gradients), the replicated head's gradients and the loss summed, an Adam step."""
+    gradients), the replicated head's gradients and the loss summed, the gradients
+    clipped by the whole model's norm (``clip``), an Adam step."""
     logits = net(x, batch)
     n = batch * net.context
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1),
@@ -93,6 +99,8 @@ def distributed_step(net: DistributedCharTransformer, opt: torch.optim.Optimizer
             p.grad = torch.zeros_like(p)
     loss.backward()
     total = gsum(loss)
+    if clip is not None:  # the sharded blocks' norms and the (now equal) head's, once
+        clip_grad_norm_(net, clip)
     opt.step()
     return total.item()
 
@@ -106,7 +114,7 @@ def seq_block(t: torch.Tensor, net: DistributedCharTransformer) -> torch.Tensor:
 def train_sequential(cfg: Config, net: CharTransformer, data: torch.Tensor) -> History:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     losses, secs = train_loop(batches(cfg, data),
-                              lambda b: sequential_step(net, opt, b[0], b[1]),
+                              lambda b: sequential_step(net, opt, b[0], b[1], cfg.clip),
                               cfg.progress, "sequential")
     return History(losses, secs)
 
@@ -119,7 +127,7 @@ def train_distributed(cfg: Config, net: DistributedCharTransformer, data: torch.
 
     def step(b):
         return distributed_step(net, opt, gsum, seq_block(b[0], net), seq_block(b[1], net),
-                                cfg.batch_size)
+                                cfg.batch_size, cfg.clip)
 
     losses, secs = train_loop(batches(cfg, data), step, cfg.progress and w.rank == 0,
                               f"distributed ({w.size} ranks)")
