@@ -74,17 +74,21 @@ def test_clip_grad_norm_equals_the_sequential_models(cluster, backend, norm_type
 def _bad(what):
     w = gpudist.world()
     dist, _ = _model(w)
+    if what == "parameters":  # torch's signature: the parameters, not the model
+        gnn.clip_grad_norm_(dist.parameters(), 1.0)
     if what == "replicas":
         dist.scale.grad += w.rank  # replicated gradients not synchronized
     max_norm = 1.0 + (w.rank if what == "args" else 0)
     gnn.clip_grad_norm_(dist, max_norm)
 
 
-@pytest.mark.parametrize("what,text", [("replicas", "differ between ranks"),
-                                       ("args", "different (norm_type, max_norm)")])
-def test_clip_grad_norm_refuses_disagreeing_ranks(cluster, what, text):
+@pytest.mark.parametrize("what,kind,text", [
+    ("replicas", "MismatchError", "differ between ranks"),
+    ("args", "MismatchError", "different (norm_type, max_norm)"),
+    ("parameters", "TypeError", "takes the model")])
+def test_clip_grad_norm_refuses_disagreeing_ranks(cluster, what, kind, text):
     errs = cluster.run(4, _bad, what, expect_error=True, timeout=60)
-    assert_raised_everywhere(errs, "MismatchError", text)
+    assert_raised_everywhere(errs, kind, text)
 
 
 def _scaled_steps(use_gpudist):

@@ -47,6 +47,11 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     replicated: the same gradient on every rank (as after a data-parallel all-reduce),
     counted once; where those gradients differ between ranks, a MismatchError on every
     rank (clipping them would make the replicas diverge)."""
+    if not isinstance(module, torch.nn.Module):  # (torch's takes parameters: it need not
+        raise raised_everywhere(TypeError(        # know which are blocks)
+            f"gpudist.nn.clip_grad_norm_ takes the model (a torch.nn.Module), not "
+            f"{type(module).__name__}: it tells gpudist layers' parameter blocks from "
+            f"replicated parameters by the modules holding them"))
     w = require_world(None)
     p = float(norm_type)
     sharded = {id(q) for m in module.modules() if isinstance(m, ShardedParameters)
