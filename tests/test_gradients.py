@@ -62,13 +62,14 @@ def _clip(norm_type, max_norm):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("norm_type,max_norm", [(2.0, 1.0), (1.0, 5.0), (math.inf, 0.5),
-                                                (3.0, 1e6)])
+                                                (3.0, 1e6), (-math.inf, 1e-9), (-1.0, 1e-9),
+                                                (0.25, 1.0)])
 def test_clip_grad_norm_equals_the_sequential_models(cluster, backend, norm_type, max_norm):
     res = cluster.run(4, _clip, norm_type, max_norm, backend=backend)
     for r in res:
         assert r["total"] < 1e-12, r
         assert all(v < 1e-12 for k, v in r.items() if k not in ("total", "clipped")), r
-    assert res[0]["clipped"] == (max_norm < 100)  # the cases clip, but the last
+    assert res[0]["clipped"] == (max_norm < 100)  # the cases clip, but one
 
 
 def _bad(what):
@@ -76,6 +77,12 @@ def _bad(what):
     dist, _ = _model(w)
     if what == "parameters":  # torch's signature: the parameters, not the model
         gnn.clip_grad_norm_(dist.parameters(), 1.0)
+    if what == "order0":  # torch's order 0 counts whole tensors: no split equivalent
+        gnn.clip_grad_norm_(dist, 1.0, 0)
+    if what == "nan":  # a NaN in one rank's block: torch's norm is NaN, and so is ours
+        if w.rank == 1:  # (the linear layer's weight has a block on every rank)
+            dist.lin.weight.grad.view(-1)[0] = float("nan")
+        gnn.clip_grad_norm_(dist, 1.0, math.inf, error_if_nonfinite=True)
     if what == "replicas":
         dist.scale.grad += w.rank  # replicated gradients not synchronized
     max_norm = 1.0 + (w.rank if what == "args" else 0)
@@ -85,7 +92,9 @@ def _bad(what):
 @pytest.mark.parametrize("what,kind,text", [
     ("replicas", "MismatchError", "differ between ranks"),
     ("args", "MismatchError", "different (norm_type, max_norm)"),
-    ("parameters", "TypeError", "takes the model")])
+    ("parameters", "TypeError", "takes the model"),
+    ("order0", "ValueError", "norm_type 0 is not supported"),
+    ("nan", "RuntimeError", "non-finite")])
 def test_clip_grad_norm_refuses_disagreeing_ranks(cluster, what, kind, text):
     errs = cluster.run(4, _bad, what, expect_error=True, timeout=60)
     assert_raised_everywhere(errs, kind, text)

@@ -25,14 +25,22 @@ _REPLICA_RTOL = 1e-6  # replicated gradients after an all-reduce agree to roundi
 
 
 def _part(grads: list[torch.Tensor], p: float) -> torch.Tensor:
-    """sum |g|^p over these gradients (max |g| for p = inf), float64."""
-    vals = [g.detach().abs().max().double() if p == math.inf else
-            torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64) ** p
-            for g in grads if g.numel()]
-    if not vals:
-        return torch.zeros((), dtype=torch.float64)
+    """sum |g|^p over these gradients (max |g| for p = inf, min for -inf), float64: what
+    adds up over blocks (NaN propagates)."""
+    if math.isinf(p):
+        one = torch.amax if p > 0 else torch.amin
+        vals = [one(g.detach().abs()).double() for g in grads if g.numel()]
+    else:
+        vals = [torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64) ** p
+                for g in grads if g.numel()]
+    if not vals:  # the combination's identity
+        return torch.tensor(math.inf if p == -math.inf else 0.0, dtype=torch.float64)
     both = torch.stack([v.to(vals[0].device) for v in vals])  # no host sync per gradient
-    return (both.max() if p == math.inf else both.sum()).cpu()
+    return _combine(both, p).cpu()
+
+
+def _combine(parts: torch.Tensor, p: float) -> torch.Tensor:
+    return parts.max() if p == math.inf else parts.min() if p == -math.inf else parts.sum()
 
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -54,6 +62,10 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
             f"replicated parameters by the modules holding them"))
     w = require_world(None)
     p = float(norm_type)
+    if p == 0 or math.isnan(p):  # torch's order 0 counts whole tensors: blocks differ
+        raise raised_everywhere(ValueError(
+            f"gpudist.nn.clip_grad_norm_: norm_type {norm_type} is not supported (order 0 "
+            f"counts torch's tensors, which a split model does not have); use another"))
     sharded = {id(q) for m in module.modules() if isinstance(m, ShardedParameters)
                for q in m.parameters()}
     params = [q for q in module.parameters() if q.grad is not None]
@@ -78,8 +90,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
             f"(taken as replicated) differ between ranks (their sum of |g|^p per rank: "
             f"{rep}); make them equal first (e.g. all-reduce them, as data parallelism "
             f"does)"))
-    parts = [r[0] for r in rows] + [rep[0]]
-    total = max(parts) if p == math.inf else sum(parts) ** (1.0 / p)
+    parts = _combine(torch.tensor([r[0] for r in rows] + [rep[0]], dtype=torch.float64), p)
+    total = float(parts if math.isinf(p) else parts ** (1.0 / p))
     if error_if_nonfinite and not math.isfinite(total):
         raise raised_everywhere(RuntimeError(
             f"clip_grad_norm_: the total norm of order {p} of the gradients is non-finite "
