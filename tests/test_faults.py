@@ -567,15 +567,16 @@ def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what):
     assert secs < FAST, secs
 
 
-def _weight_reshaped(ranks, how):
-    """After a first call, a conv's weight is replaced by one of another shape on
-    ``ranks`` (a new Parameter, or its ``.data``): a fuzz found gloo killing the receiving
-    process (its size check), MPI "Other MPI error"."""
+def _weight_reshaped(ranks, how, first_call=True):
+    """After a first call (or before it), a conv's weight is replaced by one of another
+    shape on ``ranks`` (a new Parameter, or its ``.data``): a fuzz found gloo killing the
+    receiving process (its size check), MPI "Other MPI error"."""
     w = gpudist.world()
     P = Partition.grid((1, 1, w.size, 1))
     conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
     x = _dist(P, (2, 2, 2 * w.size, 4), torch.float64)
-    conv(x)
+    if first_call:
+        conv(x)
     if w.rank in ranks:
         new = torch.randn(3, 2, 5, 5, dtype=torch.float64)
         if how == "parameter":
@@ -596,6 +597,13 @@ def test_parameter_of_another_shape_is_a_clear_error(cluster, backend, how):
     errs, secs1 = _run_timed(cluster, 2, _weight_reshaped, (0,), how, backend=backend)
     _is_mismatch_everywhere(errs)
     assert secs + secs1 < 2 * FAST, (secs, secs1)
+    # before the layer's first call (the shapes the layout makes are known): on every
+    # rank, or on the rank that holds the weight only, or on one that holds none of it
+    for ranks in ((0, 1), (0,), (1,)):
+        errs, _ = _run_timed(cluster, 2, _weight_reshaped, ranks, how, False,
+                             backend=backend)
+        assert all(e is not None and e.type == "ShapeError" for e in errs), (ranks, errs)
+        assert any("weight (3, 2, 5, 5)" in e.message for e in errs), (ranks, errs)
 
 
 def _plan_on_one_rank():

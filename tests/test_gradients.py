@@ -79,6 +79,8 @@ def _bad(what):
         gnn.clip_grad_norm_(dist.parameters(), 1.0)
     if what == "order0":  # torch's order 0 counts whole tensors: no split equivalent
         gnn.clip_grad_norm_(dist, 1.0, 0)
+    if what in ("replica_inf", "replica_nan") and w.rank == 1:  # non-finite on one rank
+        dist.scale.grad[0] = float("inf" if what == "replica_inf" else "nan")
     if what == "nan":  # a NaN in one rank's block: torch's norm is NaN, and so is ours
         if w.rank == 1:  # (the linear layer's weight has a block on every rank)
             dist.lin.weight.grad.view(-1)[0] = float("nan")
@@ -86,7 +88,7 @@ def _bad(what):
     if what == "replicas":
         dist.scale.grad += w.rank  # replicated gradients not synchronized
     max_norm = 1.0 + (w.rank if what == "args" else 0)
-    gnn.clip_grad_norm_(dist, max_norm)
+    gnn.clip_grad_norm_(dist, max_norm, 3.0 if what == "replica_nan" else 2.0)
 
 
 @pytest.mark.parametrize("what,kind,text", [
@@ -94,7 +96,9 @@ def _bad(what):
     ("args", "MismatchError", "different (norm_type, max_norm)"),
     ("parameters", "TypeError", "takes the model"),
     ("order0", "ValueError", "norm_type 0 is not supported"),
-    ("nan", "RuntimeError", "non-finite")])
+    ("nan", "RuntimeError", "non-finite"),
+    ("replica_inf", "MismatchError", "differ between ranks"),
+    ("replica_nan", "MismatchError", "differ between ranks")])
 def test_clip_grad_norm_refuses_disagreeing_ranks(cluster, what, kind, text):
     errs = cluster.run(4, _bad, what, expect_error=True, timeout=60)
     assert_raised_everywhere(errs, kind, text)
@@ -138,3 +142,27 @@ def test_grad_scaler_skips_alike_on_every_rank(cluster):
     # torch's scaler per rank: the ranks' scales part (the failure it fixes)
     plain = cluster.run(2, _scaled_steps, False)
     assert plain[0][0][0] != plain[1][0][0], plain
+
+
+def _scaler_copies():
+    """A used GradScaler deep-copies and pickles as torch's (it held gpudist's reduce)."""
+    import copy
+    import io
+
+    P = Partition.grid((1, 2))
+    lin = gnn.DistributedLinear(P, Partition([0], (1, 1)), P, 4, 3)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    sc = gnn.GradScaler("cpu")
+    X = torch.ones(2, 4)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = lin(DistTensor.from_local(block_of(X, P), P, X.shape)).local.float()
+    sc.scale(y.sum()).backward()
+    sc.step(opt)
+    sc.update()
+    twin = copy.deepcopy(sc)
+    torch.save(sc, io.BytesIO())
+    return twin.get_scale() == sc.get_scale()
+
+
+def test_grad_scaler_copies_and_pickles(cluster):
+    assert cluster.run(2, _scaler_copies) == [True, True]

@@ -278,3 +278,19 @@ def test_batch_norm_takes_the_dtypes_torch_takes(cluster):
     for pd, xd, want, got in res[0]:
         assert want == got, (pd, xd, want, got)
     assert sum(w == "refused" for *_, w, _ in res[0]) == 4  # f64 params: 3; f32 params: f64
+
+
+def _bn_load_not_strict():
+    P = Partition.grid((1, 1, gpudist.world().size, 1))
+    layer = gnn.DistributedBatchNorm(P, 3)
+    sd = dict(torch.nn.BatchNorm2d(3).state_dict(), extra=torch.zeros(1))
+    layer.load_global_state_dict(sd, strict=False)  # an unknown key allowed, as torch's
+    try:
+        layer.load_global_state_dict(sd)
+    except gpudist.ShapeError as e:
+        return "unknown" in str(e)
+    return False
+
+
+def test_batch_norm_load_takes_strict(cluster):
+    assert cluster.run(2, _bn_load_not_strict) == [True, True]

@@ -208,11 +208,12 @@ class DistributedModule(torch.nn.Module):
         made for those blocks: another shape would reach the backend as a size mismatch
         (gloo kills the process). A message with ``{ranks}`` to fill in."""
         shapes = tuple(k[2] for k in kinds)
-        first = self.__dict__.setdefault("_param_shapes", shapes)
+        first = self.__dict__.get("_param_shapes")
+        if first is None:
+            first = self.__dict__["_param_shapes"] = self._built_shapes(shapes)
         if shapes == first:
             return None
-        names = [n for _, m in self.named_modules() if m._parameters
-                 for n, p in m._parameters.items() if p is not None]
+        names = self._param_names()
         here = "; ".join(f"{n} {tuple(s)} (was {tuple(f)})" for n, s, f
                          in zip(names, shapes, first) if s != f) or \
             f"{len(shapes)} parameter blocks, were {len(first)}"
@@ -220,6 +221,16 @@ class DistributedModule(torch.nn.Module):
                 f"{here}); a layer's parameter blocks keep their shapes (its plans and its "
                 f"peers' buffers are made for them): load values with load_state_dict or "
                 f"load_global_state_dict, or build another layer")
+
+    def _param_names(self) -> list[str]:
+        """The parameters' names, in :meth:`_param_kinds`' order."""
+        return [f"{mn}.{n}" if mn else n for mn, m in self.named_modules() if m._parameters
+                for n, p in m._parameters.items() if p is not None]
+
+    def _built_shapes(self, shapes: tuple) -> tuple:
+        """The parameter block shapes the layer was built with (here: ``shapes``, those
+        at its first call; :class:`ShardedParameters` knows them from the layout)."""
+        return shapes
 
     def _holders(self) -> tuple[torch.nn.Module, ...]:
         """The layer's modules that hold parameters (fixed once built)."""
@@ -379,6 +390,16 @@ class ShardedParameters:
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the global parameter ``t``."""
         return block(t, self.homes[name][0])
+
+    def _built_shapes(self, shapes: tuple) -> tuple:
+        """This rank's block shapes as the layout makes them (a parameter replaced by one
+        of another shape before the layer's first call is caught too)."""
+        out = []
+        for n, s in zip(self._param_names(), shapes):
+            if n in self.homes:  # cut from a tensor without storage
+                s = self._cut(n, torch.empty(self.homes[n][1], device="meta")).shape
+            out.append(torch.Size(s))
+        return tuple(out)
 
     def _gathered(self, pick) -> dict[str, torch.Tensor]:
         out = {}

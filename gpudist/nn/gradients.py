@@ -84,7 +84,9 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
             f"clip_grad_norm_: the ranks passed different (norm_type, max_norm): "
             f"{[(r[2], r[3]) for r in rows]}"))
     rep = [r[1] for r in rows]
-    if max(rep) - min(rep) > _REPLICA_RTOL * max(abs(v) for v in rep):
+    finite = all(math.isfinite(v) for v in rep)
+    if (max(rep) - min(rep) > _REPLICA_RTOL * max(abs(v) for v in rep) if finite else
+            len({str(v) for v in rep}) > 1):  # (inf or nan on some ranks only)
         raise raised_everywhere(MismatchError(
             f"clip_grad_norm_: the gradients of the parameters outside gpudist's layers "
             f"(taken as replicated) differ between ranks (their sum of |g|^p per rank: "
@@ -127,3 +129,8 @@ class GradScaler(torch.amp.GradScaler):
         for v in per_device.values():
             v.copy_(anywhere.reshape(()))
         return per_device
+
+    def __getstate__(self):  # copies and pickles as torch's (the primitive made again)
+        state = super().__getstate__()
+        state.pop("_gpudist_sum", None)
+        return state

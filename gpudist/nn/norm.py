@@ -137,9 +137,10 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         return y
 
     # -- global state -------------------------------------------------------------------
-    def load_global_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+    def load_global_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True
+                               ) -> None:
         """Take a sequential ``torch.nn.BatchNormNd`` state dict (every rank passes it)."""
-        super().load_global_state_dict(sd)
+        super().load_global_state_dict(sd, strict)
         if not self.track_running_stats:
             return
         c0, c1 = _channel_range(self.num_features, self.P_x)
