@@ -166,3 +166,17 @@ def _scaler_copies():
 
 def test_grad_scaler_copies_and_pickles(cluster):
     assert cluster.run(2, _scaler_copies) == [True, True]
+
+
+def _no_gradients():
+    """No gradient anywhere (no backward yet): torch's clip returns 0 for every order."""
+    w = gpudist.world()
+    dist, _ = _model(w)
+    for q in dist.parameters():
+        q.grad = None
+    return [float(gnn.clip_grad_norm_(dist, 1.0, p, error_if_nonfinite=True))
+            for p in (2.0, math.inf, -math.inf, -1.0)]
+
+
+def test_clip_grad_norm_without_gradients(cluster):
+    assert cluster.run(4, _no_gradients) == [[0.0] * 4] * 4

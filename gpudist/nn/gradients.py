@@ -71,18 +71,21 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     params = [q for q in module.parameters() if q.grad is not None]
     mine = _part([q.grad for q in params if id(q) in sharded], p)
     replicated = _part([q.grad for q in params if id(q) not in sharded], p)
-    row = torch.stack([mine, replicated, torch.tensor(p, dtype=torch.float64),
-                       torch.tensor(float(max_norm), dtype=torch.float64)])
+    some = sum(1 for q in params if q.grad.numel())
+    row = torch.tensor([0.0, 0.0, p, float(max_norm), some], dtype=torch.float64)
+    row[0], row[1] = mine, replicated
     if w.size > 1:
         P = Partition.grid((w.size,))
         gather = AllGather(P, 0, 0)
-        spec = TensorSpec(P, (4 * w.size,), torch.float64, w.device.type)
+        spec = TensorSpec(P, (5 * w.size,), torch.float64, w.device.type)
         row = gather(DistTensor(row.to(w.device), spec)).local
-    rows = row.cpu().view(-1, 4).tolist()
+    rows = row.cpu().view(-1, 5).tolist()
     if len({(r[2], r[3]) for r in rows}) > 1:
         raise raised_everywhere(MismatchError(
             f"clip_grad_norm_: the ranks passed different (norm_type, max_norm): "
             f"{[(r[2], r[3]) for r in rows]}"))
+    if not any(r[4] for r in rows):  # no gradient anywhere: torch's 0, nothing to scale
+        return torch.zeros((), dtype=torch.float64)
     rep = [r[1] for r in rows]
     finite = all(math.isfinite(v) for v in rep)
     if (max(rep) - min(rep) > _REPLICA_RTOL * max(abs(v) for v in rep) if finite else
