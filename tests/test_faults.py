@@ -254,9 +254,11 @@ def _dtype_mismatch():
 
 
 def test_dtype_mismatch_is_an_error_everywhere(cluster):
+    """(A rank still in the exchange when the first one aborts raises the RemoteError that
+    carries the MismatchError: which ranks do depends on timing, 1 run in ~25 here.)"""
     errs, secs = _run_timed(cluster, 3, _dtype_mismatch)
-    assert all(e is not None and e.type == "MismatchError" and "float32" in e.message
-               and "float64" in e.message for e in errs), errs
+    _is_mismatch_everywhere(errs)
+    assert all("float32" in e.message and "float64" in e.message for e in errs), errs
     assert secs < FAST, secs
 
 
