@@ -169,6 +169,14 @@ class DistributedModule(torch.nn.Module):
                     dt = probes[key] = self.autocast_probe(x).dtype
         return dt if dt != spec.dtype else None
 
+    def take(self, x: DistTensor | torch.Tensor) -> tuple[bool, torch.Tensor, TensorSpec]:
+        """(whether ``x`` is a DistTensor, the block a call runs on, its spec): a plain
+        block's spec found by :meth:`spec_of`, both cast where autocast casts."""
+        dist_in = isinstance(x, DistTensor)
+        local = x.local if dist_in else x
+        spec = x.spec if dist_in else self.spec_of(local)
+        return (dist_in, *self.autocast_input(local, spec))
+
     def autocast_input(self, local: torch.Tensor, spec: TensorSpec
                        ) -> tuple[torch.Tensor, TensorSpec]:
         """The block and spec a call runs on: cast at the layer's entry where autocast
@@ -292,10 +300,7 @@ class DistributedModule(torch.nn.Module):
     @entry
     def forward(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
-            dist_in = isinstance(x, DistTensor)
-            local = x.local if dist_in else x
-            spec = x.spec if dist_in else self.spec_of(local)
-            local, spec = self.autocast_input(local, spec)
+            dist_in, local, spec = self.take(x)
             plan = self.plan(spec, local)
             self.check_call(plan)
             local = spec.adopt(local)

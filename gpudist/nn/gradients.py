@@ -71,9 +71,9 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float =
     params = [q for q in module.parameters() if q.grad is not None]
     mine = _part([q.grad for q in params if id(q) in sharded], p)
     replicated = _part([q.grad for q in params if id(q) not in sharded], p)
-    some = sum(1 for q in params if q.grad.numel())
-    row = torch.tensor([0.0, 0.0, p, float(max_norm), some], dtype=torch.float64)
-    row[0], row[1] = mine, replicated
+    some = sum(1 for q in params if q.grad.numel())  # (none anywhere: torch's 0)
+    row = torch.cat([torch.stack([mine, replicated]),
+                     torch.tensor([p, float(max_norm), some], dtype=torch.float64)])
     if w.size > 1:
         P = Partition.grid((w.size,))
         gather = AllGather(P, 0, 0)
@@ -124,11 +124,11 @@ class GradScaler(torch.amp.GradScaler):
         if not per_device:  # no gradient here: a rank's vote, and step() needs an entry
             per_device[found_inf.device] = torch.zeros_like(found_inf)
         mine = sum(v.to(w.device, torch.float32).reshape(1) for v in per_device.values())
-        if getattr(self, "_gpudist_sum", None) is None:  # world-collective, made once
-            self._gpudist_sum = AllSumReduce(Partition.grid((w.size,)), axes=(0,))
-        spec = TensorSpec(Partition.grid((w.size,)), (1,), torch.float32, w.device.type,
-                          (PARTIAL,))
-        anywhere = self._gpudist_sum(DistTensor(mine, spec)).local.clamp(max=1.0)
+        total = getattr(self, "_gpudist_sum", None)
+        if total is None:  # world-collective, made once
+            total = self._gpudist_sum = AllSumReduce(Partition.grid((w.size,)), axes=(0,))
+        spec = TensorSpec(total.P, (1,), torch.float32, w.device.type, (PARTIAL,))
+        anywhere = total(DistTensor(mine, spec)).local.clamp(max=1.0)
         for v in per_device.values():
             v.copy_(anywhere.reshape(()))
         return per_device

@@ -116,11 +116,8 @@ class DistributedLoss(DistributedModule):
     @entry
     def forward(self, x: DistTensor | torch.Tensor, target) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
-            dist_in = isinstance(x, DistTensor)
-            local = x.local if dist_in else x
+            dist_in, local, spec = self.take(x)
             t = target.local if isinstance(target, DistTensor) else target
-            spec = x.spec if dist_in else self.spec_of(local)
-            local, spec = self.autocast_input(local, spec)
             problem = self._target_problem(target, t, spec)
             plan = self.plan(spec, local, problem is None, self._bad_target)
             if (self.classwise and self.options.get("ignore_index", -100) >= 0

@@ -78,13 +78,13 @@ class _DistributedPoolNd(DistributedModule):
     spatial = 2
     kind = "max"
     autocast = "probe"  # torch.autocast: 3-D pooling in float32 on the CPU
-
-    def autocast_probe(self, x):
-        return (_MAX if self.kind == "max" else _AVG)[self.spatial](x, 1)
     #: max pooling: torch's pool of the block and the edge outputs from thin strips of the
     #: halo (:mod:`gpudist.nn.pooling_edges`) where the grids agree, instead of copying the
     #: block into the halo buffer and pooling that (False takes that path)
     edge_split: bool = True
+
+    def autocast_probe(self, x):
+        return (_MAX if self.kind == "max" else _AVG)[self.spatial](x, 1)
 
     def _setup(self, P_x: Partition, kernel_size: IntOrSeq, stride: IntOrSeq | None,
                padding: IntOrSeq, dilation: IntOrSeq, ceil_mode: bool) -> None:
