@@ -5,6 +5,7 @@ partition shapes, inactive ranks and kernels with stride/dilation/padding."""
 import pytest
 import torch
 
+import gpudist
 import gpudist.nn as gnn
 from gpudist import Partition
 from gpudist.primitives import zero_volume
@@ -442,6 +443,39 @@ def test_linear_leading_dims(cluster):
     res = cluster.run(4, _linear_leading_dims)
     assert sum(1 for r in res if "y" in r) == 2
     assert all(v < TOL for r in res for v in r.values()), res
+
+
+def _linear_data_apart_from_weights():
+    """x (not requiring grad, like a network's data input) on rank 1 only, the weights and
+    the output on rank 0: the output requires grad on every rank (torch's does: the
+    weights do), so ``loss.backward()`` runs everywhere (rank 1 raised torch's "does not
+    require grad" before, found by a fuzz)."""
+    w = gpudist.world()
+    P_x, P_w = Partition([1], (1, 1)), Partition([0], (1, 1))
+    torch.manual_seed(0)
+    seq = torch.nn.Linear(4, 3, dtype=torch.float64)
+    lin = gnn.DistributedLinear(P_x, P_w, P_w, 4, 3, dtype=torch.float64)
+    lin.load_global_state_dict(seq.state_dict())
+    X = torch.randn(2, 4, dtype=torch.float64)
+    T = torch.randn(2, 3, dtype=torch.float64)
+    e = torch.zeros(0, 0, dtype=torch.float64)
+    y = lin(X if w.rank == 1 else e)
+    loss = gnn.DistributedMSELoss(P_w, "mean")(y, T if w.rank == 0 else e)
+    out = {"requires_grad": y.requires_grad and loss.requires_grad}
+    loss.backward()
+    torch.nn.functional.mse_loss(seq(X), T).backward()
+    grads = lin.global_grads()
+    if w.rank == 0:
+        out["dW"] = _maxerr(grads["weight"], seq.weight.grad)
+        out["db"] = _maxerr(grads["bias"], seq.bias.grad)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_output_requires_grad_where_only_the_input_lies(cluster, backend):
+    res = cluster.run(2, _linear_data_apart_from_weights, backend=backend)
+    assert all(r["requires_grad"] for r in res), res
+    assert res[0]["dW"] < TOL and res[0]["db"] < TOL, res
 
 
 def _bn_case(pshape, ranks, gshape, affine=True):

@@ -102,5 +102,8 @@ class DistributedLinear(ShardedParameters, DistributedModule):
             if self.bias is not None and not here:
                 y = connect(y, self.bias)
         else:
-            y = connect(xw.new_zeros(plan.y_reduce.spec.local_shape), xw)
+            # outside P_w: the output still depends on the (zero-volume) parameters, so
+            # it requires grad wherever torch's would (a loss on this rank can backward)
+            y = connect(xw.new_zeros(plan.y_reduce.spec.local_shape), xw, self.weight,
+                        self.bias)
         return self.y_reduce.apply(y, plan.y_reduce)
