@@ -248,12 +248,16 @@ def _bad(which):
     elif which == "too_small":  # output length (4-1)*1 - 2*3 + 0 + 1 = -2
         layer = DistributedConvTranspose1d(P1, 1, 1, 1, padding=3, dtype=torch.float64)
         layer(block_of(global_tensor((1, 1, 4)), P1))
+    elif which == "output_size":  # torch's forward argument: refused, naming the fix
+        layer = DistributedConvTranspose1d(P1, 2, 2, 3, stride=2, dtype=torch.float64)
+        layer(block_of(global_tensor((1, 2, 8)), P1), output_size=[16])
 
 
 @pytest.mark.parametrize("which,err", [
     ("groups", "PartitionError"), ("channels", "PartitionError"),
     ("padding_mode", "ValueError"), ("output_padding", "ValueError"),
-    ("in_channels", "ShapeError"), ("too_small", "ShapeError")])
+    ("in_channels", "ShapeError"), ("too_small", "ShapeError"),
+    ("output_size", "ValueError")])
 def test_bad_input_errors_on_every_rank(cluster, which, err):
     errs = cluster.run(4, _bad, which, expect_error=True)
     assert all(e is not None and e.type == err for e in errs), errs

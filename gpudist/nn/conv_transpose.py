@@ -315,6 +315,15 @@ class DistributedConvTransposeNd(ShardedParameters, DistributedModule):
         return self.y_reduce.apply(y, plan.y_reduce)
 
 
+    def forward(self, x, output_size: Sequence[int] | None = None):  # type: ignore[override]
+        """torch's signature; ``output_size`` is refused (use ``output_padding``)."""
+        if output_size is not None:
+            raise raised_everywhere(ValueError(
+                f"{self.name}: the output_size argument is not supported; give the layer "
+                f"output_padding instead (torch's output_size picks it from the sizes)"))
+        return super().forward(x)
+
+
 class DistributedConvTranspose1d(DistributedConvTransposeNd):
     spatial = 1
 
