@@ -260,9 +260,8 @@ def _cases(prim: str, size: int, world, hint: bool):
     if tuple(dy.shape) != tuple(y0.shape):
         dy = torch.rand_like(y0)
 
-    def gf():
-        with torch.no_grad():
-            op(xd)
+    def gf():  # (the input requires no grad: no graph is recorded, as in the raw call)
+        op(xd)
 
     def ga():  # the adjoint's output as autograd hands it on (not accumulated into .grad:
         # the raw pair accumulates nothing either; inside a network it flows to the next op)

@@ -52,9 +52,9 @@ class BufferPool:
         else:
             self._bufs.move_to_end(key)
         if _use_count is not None:
-            for base, refs in slot:
-                if _refs(base) == refs:  # only the pool holds it
-                    return _alias(base)
+            for base, refs in slot:  # (_refs and _alias inlined: this runs per call)
+                if _use_count(base.untyped_storage()._cdata) == refs:  # only the pool
+                    return base.detach()  # holds it
         t = torch.empty(shape, dtype=dtype, device=device)
         self.allocations += 1
         if init is not None:

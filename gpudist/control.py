@@ -22,6 +22,7 @@ of a consistent program); :meth:`Control.wait` is the one wait loop every transp
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -57,6 +58,8 @@ class Op(NamedTuple):
     fingerprint: int
     needs_all: bool = True
 
+
+_new_op = functools.partial(tuple.__new__, Op)
 
 Label = str | Callable[[], str]
 
@@ -131,6 +134,7 @@ class Control:
         # at an operator number this rank has passed is checked against what ran here
         self._past: dict[tuple[int, ...], list[Op | None]] = {}
         self._op: Op | None = None
+        self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
         self.spin_s = float(os.environ.get("GPUDIST_SPIN_S", SPIN_S))
         self.nap_max_s = float(os.environ.get("GPUDIST_NAP_MAX_S", NAP_MAX_S))
@@ -187,9 +191,16 @@ class Control:
         raise err
 
     def scope(self, where: str) -> _Scope:
-        """Errors raised inside that not every rank raises are posted to the world."""
-        self.ensure_alive()
-        return _Scope(self, where)
+        """Errors raised inside that not every rank raises are posted to the world (the
+        scope of a ``where`` is made once: it runs on every call of every operator)."""
+        if self.aborted is not None:
+            self.ensure_alive()
+        s = self._scopes.get(where)
+        if s is None:
+            s = _Scope(self, where)
+            if len(self._scopes) < 1024:
+                self._scopes[where] = s
+        return s
 
     # -- operator numbering ---------------------------------------------------------------
     def op(self, group: Sequence[int], what: str, fingerprint: int = 0,
@@ -198,7 +209,8 @@ class Control:
         key = group if type(group) is tuple else tuple(group)
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
-        op = Op(key, seq, what, fingerprint, needs_all)
+        op = _new_op((key, seq, what, fingerprint, needs_all))  # Op(...) without its
+        # Python-level __new__
         past = self._past.get(key)
         if past is None:
             past = self._past[key] = [None] * HISTORY

@@ -97,6 +97,14 @@ class TensorSpec:
                 f"placements {[placement_name(p) for p in pl]} of a tensor of shape {g}: "
                 f"each tensor dimension may be split by one partition dimension"))
 
+    def __hash__(self) -> int:  # the fields' hash, made once (plans are looked up per call)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.partition, self.global_shape, self.dtype, self.device_type,
+                      self.placements))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- blocks ---------------------------------------------------------------------
     @property
     def standard(self) -> bool:
@@ -170,8 +178,12 @@ class TensorSpec:
                 f"{self.device_type} over partition {P.shape} of ranks {list(P.ranks)}{pl}")
 
     def matches(self, t: torch.Tensor) -> bool:
-        return (t.shape == self.local_shape and t.dtype == self.dtype
-                and t.device.type == self.device_type)
+        """Whether ``t`` can be this rank's block (shape, dtype, device type)."""
+        if t.shape != self.local_shape or t.dtype != self.dtype:
+            return False
+        kind = self.device_type  # (``t.device`` makes an object: 4x the cost of is_cpu)
+        return t.is_cpu if kind == "cpu" else t.is_cuda if kind == "cuda" else (
+            t.device.type == kind)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as this rank's block: a rank outside the partition may pass any

@@ -20,6 +20,7 @@ send/receive buffers kept per dtype/device. Each step is made ready once per buf
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,7 @@ def run_offset(box: Box, shape: Sequence[int]) -> int | None:
     return base if (len(sizes) == 1 and st == [1]) or numel(box) <= 1 else None
 
 
+@functools.lru_cache(maxsize=4096)  # boxes are plans' constants, indexed on every call
 def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 

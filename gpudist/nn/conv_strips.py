@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, slices
 from ..primitives import Plan
+from ..primitives.base import first_order
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
          3: torch.nn.functional.conv3d}
@@ -162,7 +162,7 @@ class _StripConv(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
+    @first_order  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, gy):  # type: ignore[override]
         x, w, *strips = ctx.saved_tensors
         H, plan, sp, (stride, dilation, groups), has_b = ctx.setup

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
+from ..primitives.base import first_order
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ._layer import DistributedModule, ShardedParameters
 from ._params import block, parameter
@@ -200,7 +200,7 @@ class _Normalize(torch.autograd.Function):
         return xhat.to(x.dtype)
 
     @staticmethod
-    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
+    @first_order  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, dxhat):  # type: ignore[override]
         xhat, invstd = ctx.saved_tensors
         g = dxhat.to(xhat.dtype)

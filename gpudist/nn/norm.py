@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
+from ..primitives.base import first_order
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ._layer import DistributedModule, ShardedParameters
 from ._params import parameter
@@ -229,7 +229,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
-    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
+    @first_order  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, dy, _mean, _var):  # type: ignore[override]
         x, mean, invstd, w = ctx.saved_tensors
         C = x.shape[1]

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
+from ..primitives.base import first_order
 
 _POOL = {2: F.max_pool2d, 3: F.max_pool3d}
 _BACK = {2: torch.ops.aten.max_pool2d_with_indices_backward,
@@ -181,7 +181,7 @@ class _EdgeMaxPool(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
+    @first_order  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, gy):  # type: ignore[override]
         x, idx, *strip_idx = ctx.saved_tensors
         H, plan, ep, (k, s, d) = ctx.setup

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
+from ..primitives.base import first_order
 
 _MODE = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
@@ -176,7 +176,7 @@ class _EdgeUpsample(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a double backward raises torch's clear error, never a wrong one
+    @first_order  # a double backward raises torch's clear error, never a wrong one
     def backward(ctx, gy):  # type: ignore[override]
         H, plan, ep, x_shape = ctx.setup
         sc = ep.scales

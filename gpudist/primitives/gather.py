@@ -50,7 +50,7 @@ class _Along(Primitive):
         tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
         out = self.buffers.get(name, lay["full"], x.dtype, x.device)
         if lay["direct"]:
-            tr.wait([tr.all_gather(out.view(-1), x.contiguous().view(-1), self.sub.group)])
+            tr.wait([tr.all_gather(out, x.contiguous(), self.sub.group)])
             return out
         m = max(lay["sizes"])
         blk = list(x.shape)
@@ -58,7 +58,7 @@ class _Along(Primitive):
         stage = self.buffers.get(name + "-stage", [n] + blk, x.dtype, x.device)
         mine = self.buffers.get(name + "-mine", blk, x.dtype, x.device)
         mine.narrow(d, 0, x.shape[d]).copy_(x)
-        tr.wait([tr.all_gather(stage.view(-1), mine.view(-1), self.sub.group)])
+        tr.wait([tr.all_gather(stage, mine, self.sub.group)])
         at = 0
         starts = [sum(lay["sizes"][:i]) for i in range(n)]
         for j in range(n):
@@ -76,7 +76,7 @@ class _Along(Primitive):
         blk[d] = sizes[me]
         if lay["direct"]:
             out = self.buffers.get(name, blk, x.dtype, x.device)
-            tr.wait([tr.reduce_scatter(out.view(-1), x.contiguous().view(-1), self.sub.group)])
+            tr.wait([tr.reduce_scatter(out, x.contiguous(), self.sub.group)])
             return out
         m = max(sizes)
         pad = list(x.shape)
@@ -89,7 +89,7 @@ class _Along(Primitive):
             if sizes[i] < m:
                 stage[j].narrow(d, sizes[i], m - sizes[i]).zero_()
         mine = self.buffers.get(name + "-mine", pad, x.dtype, x.device)
-        tr.wait([tr.reduce_scatter(mine.view(-1), stage.view(-1), self.sub.group)])
+        tr.wait([tr.reduce_scatter(mine, stage, self.sub.group)])
         out = self.buffers.get(name, blk, x.dtype, x.device)
         out.copy_(mine.narrow(d, 0, sizes[me]))
         return out

@@ -246,16 +246,20 @@ class Transport(ABC):
         unless :attr:`reduce_keeps_input`)."""
 
     @abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
-        """Sum members' ``tensor`` in place on every member."""
+    def all_reduce(self, tensor: torch.Tensor, group: Group,
+                   src: torch.Tensor | None = None) -> Work:
+        """Sum members' ``tensor`` in place on every member (``src``: sum members' ``src``
+        into ``tensor``, same shape; a backend that can skips the copy)."""
 
     @abstractmethod
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
-        """Equal-sized ``tensor`` from each member into ``out`` (size * numel), group order."""
+        """Equal-sized ``tensor`` from each member into ``out`` (size * numel), group order
+        (contiguous tensors of any shapes with these numbers of elements)."""
 
     @abstractmethod
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
-        """Sum members' ``inp`` (size * numel of ``out``) and keep this member's slot."""
+        """Sum members' ``inp`` (size * numel of ``out``) and keep this member's slot
+        (contiguous tensors of any shapes)."""
 
     @abstractmethod
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int],

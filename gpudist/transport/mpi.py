@@ -131,6 +131,10 @@ class MPITransport(Transport):
 
     def _src(self, key: object, t: torch.Tensor, typed: bool = False):
         """(buffer spec, staged tensor) for data MPI reads; sums of half types in float32."""
+        if not t.is_cuda and not self.stage_all and t.is_contiguous() and not (
+                typed and t.dtype in _HALF):  # the common case, inlined: it runs per call
+            return [self._address(t.data_ptr(), t.nbytes),
+                    self._mpi_type(t.dtype) if typed else self.MPI.BYTE], t
         if typed and t.dtype in _HALF:
             s = self.staging.host(key, t.shape, torch.float32)
             s.copy_(t)
@@ -142,6 +146,10 @@ class MPITransport(Transport):
 
     def _dst(self, key: object, t: torch.Tensor, typed: bool = False):
         """(buffer spec, staged tensor) for data MPI writes (copied back by finish)."""
+        if not t.is_cuda and not self.stage_all and t.is_contiguous() and not (
+                typed and t.dtype in _HALF):  # as in _src
+            return [self._address(t.data_ptr(), t.nbytes),
+                    self._mpi_type(t.dtype) if typed else self.MPI.BYTE], t
         if typed and t.dtype in _HALF:
             s = self.staging.host(key, t.shape, torch.float32)
             return self._spec(s, True), s
@@ -240,7 +248,15 @@ class MPITransport(Transport):
         req = group.handle.Ireduce(buf, None, op=self.MPI.SUM, root=root)
         return self._work(req, what, s)
 
-    def all_reduce(self, tensor, group):
+    def all_reduce(self, tensor, group, src=None):
+        if src is not None and self._by_address(src) and self._by_address(tensor) \
+                and tensor.dtype not in _HALF:  # MPI reads src, writes tensor: no copy
+            req = group.handle.Iallreduce(self._src(None, src, typed=True)[0],
+                                          self._dst(None, tensor, typed=True)[0],
+                                          op=self.MPI.SUM)
+            return self._work(req, group.doing("all-reduce"), tensor, None, src)
+        if src is not None:
+            tensor.copy_(src)
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
         req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return self._work(req, group.doing("all-reduce"), s, tensor)

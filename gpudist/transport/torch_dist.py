@@ -31,6 +31,11 @@ from .base import P2P, Group, Staging, Transport, Work, p2p_label
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the one-dimensional tensor torch's all-gather / reduce-scatter take."""
+    return t if t.dim() == 1 else t.view(-1)
+
+
 def _backend_error(e: BaseException, what: Label, control=None) -> BaseException:
     """The gpudist error for a backend failure: the failure a peer posted, if any (its
     exit is what broke the connection), else what the backend said."""
@@ -205,14 +210,18 @@ class TorchDistTransport(Transport):
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         return self._coll(w, group.doing(f"reduce to {dst}"), s, tensor)
 
-    def all_reduce(self, tensor: torch.Tensor, group: Group) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, group: Group,
+                   src: torch.Tensor | None = None) -> Work:
+        if src is not None:
+            tensor.copy_(src)
         s = self._in(("allreduce", group.ranks), tensor)
         w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         return self._coll(w, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
+        out = _flat(out)
         so = self._out(("ag-out", group.ranks), out)
-        si = self._in(("ag-in", group.ranks), tensor)
+        si = self._in(("ag-in", group.ranks), _flat(tensor))
         w = _all_gather_single(so, si, group=group.handle, async_op=True)
         return self._coll(w, group.doing("all-gather"), so, out)
 
@@ -233,8 +242,9 @@ class TorchDistTransport(Transport):
                 out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
 
             return Work(what, w.is_completed, finish)
+        out = _flat(out)
         so = self._out(("rs-out", group.ranks), out)
-        si = self._in(("rs-in", group.ranks), inp)
+        si = self._in(("rs-in", group.ranks), _flat(inp))
         w = dist.reduce_scatter_tensor(so, si, op=dist.ReduceOp.SUM, group=group.handle,
                                        async_op=True)
         return self._coll(w, what, so, out)
