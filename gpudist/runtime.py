@@ -324,20 +324,31 @@ EXIT_GRACE_S = 1.0
 
 
 def _excepthook(kind, value, tb) -> None:
-    """Print the error, post it to the world (peers raise RemoteError at once), and under
-    MPI abort the job (a rank left in MPI_Finalize would wait for its peers forever)."""
+    """Print the error, post it to the world (peers raise RemoteError at once) and end
+    the process: under MPI abort the job (a rank left in MPI_Finalize would wait for its
+    peers forever); under torch.distributed run the exit handlers and leave at once
+    (exit code 1, as Python's), since the interpreter's own teardown would join the
+    backend's threads, which wait for any collective left in flight until the
+    backend's timeout (a mismatch found while ranks wait: 2 minutes before). Not in an
+    interactive session, which goes on after the error."""
     (_PREV_HOOK or sys.__excepthook__)(kind, value, tb)
     w = _WORLD
     if w is None:
         return
     w.control.abort(value, "an uncaught exception")
+    if w.size == 1 or sys.flags.interactive or hasattr(sys, "ps1"):
+        return
+    sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(EXIT_GRACE_S)  # let the peers print their RemoteError first
     if w.backend == "mpi":
-        sys.stderr.flush()
-        sys.stdout.flush()
-        time.sleep(EXIT_GRACE_S)  # let the peers print their RemoteError first
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+    atexit._run_exitfuncs()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _at_exit() -> None:

@@ -3,7 +3,8 @@ tests/test_faults.py: ``python fault_script.py CASE --backend gloo|mpi``.
 
 Cases: ``raise`` (rank 1 raises an uncaught exception between two layers), ``exit``
 (rank 1 calls ``os._exit(3)``), ``quit`` (rank 1 returns without ``gpudist.finalize()``
-while its peers go on), ``ckpt`` (every rank saves its per-rank checkpoint, rank 1's file
+while its peers go on), ``mismatch`` (rank 1 runs another collective than its peers'),
+``ckpt`` (every rank saves its per-rank checkpoint, rank 1's file
 is truncated, every rank loads its own: rank 1 fails in ``torch.load``, outside gpudist).
 Every rank prints one line ``RESULT <rank> <status>`` (the others
 are expected to fail with a gpudist error naming rank 1).
@@ -19,18 +20,33 @@ import torch
 
 import gpudist
 import gpudist.nn as gnn
-from gpudist import DistTensor, Partition
+from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=["raise", "exit", "quit", "ckpt"])
+    p.add_argument("case", choices=["raise", "exit", "quit", "ckpt", "mismatch"])
     p.add_argument("--dir", default=".")
     p.add_argument("--backend", default="gloo")
     p.add_argument("--timeout", type=float, default=60.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     w = gpudist.init(backend=a.backend, device="cpu", timeout=a.timeout)
+    if a.case == "mismatch":  # steady state, then rank 1 runs another collective of the
+        # same group: a MismatchError on every rank, uncaught (the job must end at once;
+        # under torchrun it outlived the error by the backend's timeout before)
+        from gpudist.primitives import AllGather, AllSumReduce
+
+        Q = Partition.grid((w.size, 1))
+        g, s = AllGather(Q, 0, 0), AllSumReduce(Q, [0])
+        n = 2 * w.size + 1  # uneven blocks: the gather goes through its staging buffer
+        xg = DistTensor.from_local(torch.ones(3 if w.rank == 0 else 2, 5), Q, (n, 5))
+        xs = DistTensor(torch.ones(3, 5), TensorSpec(Q, (3, 5), torch.float32, "cpu",
+                                                     (PARTIAL, -1)))
+        for _ in range(2):
+            g(xg)
+            s(xs)
+        s(xs) if w.rank == 1 else g(xg)
     P = Partition.grid((1, 1, w.size))
     conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
     x = DistTensor.from_local(torch.randn(2, 2, 4), P, (2, 2, 4 * w.size))

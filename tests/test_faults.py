@@ -348,13 +348,13 @@ def _launch(case, backend, tmp):
     return p, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("case", ["raise", "exit", "quit", "ckpt"])
+@pytest.mark.parametrize("case", ["raise", "exit", "quit", "ckpt", "mismatch"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
 def test_failing_rank_under_a_launcher(case, backend, tmp_path):
-    """Under torchrun / mpiexec: one rank raises, exits, leaves without finalize, or fails
-    to read its truncated checkpoint; the job ends non-zero within seconds and the others'
-    errors name rank 1."""
+    """Under torchrun / mpiexec: one rank raises, exits, leaves without finalize, fails
+    to read its truncated checkpoint, or runs another collective than its peers; the job
+    ends non-zero within seconds and the others' errors name rank 1 (or the mismatch)."""
     p, secs = _launch(case, backend, tmp_path)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
@@ -362,6 +362,9 @@ def test_failing_rank_under_a_launcher(case, backend, tmp_path):
     assert secs < 40, (secs, out)
     if case == "raise":
         assert "rank 1 gave up on purpose" in out, out
+    if case == "mismatch":  # found on every rank; the job did not outlive it
+        assert out.count("MismatchError") + out.count("RemoteError") >= 3, out
+        return
     if case in ("raise", "quit", "ckpt"):  # the failing rank posted its error: named
         assert "rank 1 failed with" in out and "RemoteError" in out, out
     elif backend == "gloo":  # rank 1 vanished: its connections closed under its peers,
