@@ -13,8 +13,10 @@ import atexit
 import datetime
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -321,16 +323,18 @@ def _mpi_store(transport: Transport, timeout: float):
 # -- failures that nobody catches ------------------------------------------------------
 _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
+EXIT_TEARDOWN_S = 5  # seconds the interpreter's teardown may take after an uncaught error
 
 
 def _excepthook(kind, value, tb) -> None:
     """Print the error, post it to the world (peers raise RemoteError at once) and end
     the process: under MPI abort the job (a rank left in MPI_Finalize would wait for its
-    peers forever); under torch.distributed run the exit handlers and leave at once
-    (exit code 1, as Python's), since the interpreter's own teardown would join the
-    backend's threads, which wait for any collective left in flight until the
-    backend's timeout (a mismatch found while ranks wait: 2 minutes before). Not in an
-    interactive session, which goes on after the error."""
+    peers forever); under torch.distributed let Python exit as usual (exit handlers run,
+    files are flushed) with an alarm set: the interpreter's teardown joins the backend's
+    threads, which wait for a collective left in flight until the backend's timeout (a
+    mismatch found while ranks wait ended the job 2 minutes later), so open files are
+    flushed first and a teardown still running after ``EXIT_TEARDOWN_S`` is ended by
+    SIGALRM. Not in an interactive session, which goes on after the error."""
     (_PREV_HOOK or sys.__excepthook__)(kind, value, tb)
     w = _WORLD
     if w is None:
@@ -345,10 +349,24 @@ def _excepthook(kind, value, tb) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
-    atexit._run_exitfuncs()
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
+    _flush_open_files()  # before a teardown that may not reach their finalizers
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
+        signal.alarm(EXIT_TEARDOWN_S)
+
+
+def _flush_open_files() -> None:
+    """Flush every open Python file object (what the interpreter's teardown would do)."""
+    import gc
+    import io
+
+    for o in gc.get_objects():
+        if isinstance(o, io.IOBase):
+            try:
+                if not o.closed:
+                    o.flush()
+            except Exception:
+                pass
 
 
 def _at_exit() -> None:

@@ -32,6 +32,8 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(1)
     w = gpudist.init(backend=a.backend, device="cpu", timeout=a.timeout)
+    log = open(os.path.join(a.dir, f"log{w.rank}.txt"), "w")  # left open, not flushed:
+    log.write("started\n")  # an error must not lose it
     if a.case == "mismatch":  # steady state, then rank 1 runs another collective of the
         # same group: a MismatchError on every rank, uncaught (the job must end at once;
         # under torchrun it outlived the error by the backend's timeout before)

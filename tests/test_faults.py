@@ -333,6 +333,29 @@ def test_bfloat16_sums(cluster, backend):
     assert all(cluster.run(3, _bf16_sum, backend=backend))
 
 
+def _bool_sums():
+    """Sums of bool blocks (AllSumReduce, ReduceScatter, SumReduce): torch's sum of bools
+    saturates at True (gloo's too); MPI refused MPI_SUM on MPI_C_BOOL with a raw
+    'Invalid MPI_Op' that aborted the world (fuzz-found); it uses a logical or."""
+    from gpudist.primitives import ReduceScatter
+
+    w = gpudist.world()
+    P = Partition.grid((3,))
+    mine = torch.tensor([w.rank == 0, w.rank == 1, False, w.rank < 2, True, False])
+    want = torch.tensor([True, True, False, True, True, False])
+    spec = TensorSpec(P, (6,), torch.bool, "cpu", (PARTIAL,))
+    s = AllSumReduce(P, [0])(DistTensor(mine, spec)).local
+    rs = ReduceScatter(P, 0, 0)(DistTensor(mine, spec)).local
+    sr = SumReduce(P, Partition.root(1, 0))(DistTensor(mine, spec)).local
+    ok = torch.equal(s, want) and torch.equal(rs, want[2 * w.rank:2 * w.rank + 2])
+    return ok and (torch.equal(sr, want) if w.rank == 0 else sr.numel() == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bool_sums(cluster, backend):
+    assert all(cluster.run(3, _bool_sums, backend=backend))
+
+
 # ------------------------------------------------------------------ real launchers
 def _launch(case, backend, tmp):
     script = str(ROOT / "tests" / "fault_script.py")
@@ -362,6 +385,11 @@ def test_failing_rank_under_a_launcher(case, backend, tmp_path):
     assert secs < 40, (secs, out)
     if case == "raise":
         assert "rank 1 gave up on purpose" in out, out
+    if case in ("raise", "mismatch") and backend == "gloo":  # Python's exit ran: what the
+        # first rank to leave wrote is flushed (torchrun's agent then stops the others;
+        # MPI_Abort ends every rank at once)
+        logs = [p.read_text() for p in sorted(tmp_path.glob("log*.txt"))]
+        assert len(logs) == 3 and "started\n" in logs, logs
     if case == "mismatch":  # found on every rank; the job did not outlive it
         assert out.count("MismatchError") + out.count("RemoteError") >= 3, out
         return

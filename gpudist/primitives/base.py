@@ -99,22 +99,23 @@ def entry(fn: Callable) -> Callable:
     eagerly under ``torch.compile`` (the checks across ranks and the transports are Python
     that dynamo cannot trace; the model's torch code around the call is still compiled).
 
-    Dynamo does not inline the call (it carries ``torch.compiler.disable``'s mark); at run
-    time ``disable``'s guard (which stops dynamo from compiling the frames the call runs)
-    is entered only where dynamo's frame callback is set, i.e. inside a compiled region:
-    elsewhere the call costs two checks (0.1 us) instead of the guard's 1-2 us."""
+    ``disable``'s guard (which stops dynamo from compiling the frames the call runs) is
+    entered only while dynamo traces the call or its frame callback is set, i.e. inside a
+    compiled region: elsewhere the call costs three checks (0.2 us) instead of the guard's
+    1-2 us."""
     safe = outside_inference_mode(fn)
     guarded = torch.compiler.disable(safe)
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _compiling():
-            return guarded(*args, **kwargs)
+        if torch.compiler.is_compiling() or _compiling():  # (dynamo reads the first as
+            return guarded(*args, **kwargs)  # True and traces no further)
         if torch.is_inference_mode_enabled():
             return safe(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]  # dynamo: do not inline
+    # disable's mark too, for the paths where dynamo reads it before inlining
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
     call._torchdynamo_disable_msg = "gpudist call"  # type: ignore[attr-defined]
     call._torchdynamo_disable_recursive = True  # type: ignore[attr-defined]
     return call

@@ -129,12 +129,24 @@ class MPITransport(Transport):
             raise DeviceError(f"MPI transport cannot sum tensors of dtype {dtype}")
         return self._types[dtype]
 
+    def _sum(self, t: torch.Tensor):
+        """MPI's sum for ``t``'s dtype: logical or for bool (MPI_SUM is undefined on
+        MPI_C_BOOL; torch's sum of bools saturates at True, as gloo's does)."""
+        return self.MPI.LOR if t.dtype == torch.bool else self.MPI.SUM
+
+    def _direct(self, t: torch.Tensor, typed: bool):
+        """The buffer spec of host memory MPI takes by address as it is (None: staged, or
+        a half type summed in float32): the common case of every call, kept short."""
+        if t.is_cuda or self.stage_all or not t.is_contiguous() or (typed and t.dtype in _HALF):
+            return None
+        return [self._address(t.data_ptr(), t.nbytes),
+                self._mpi_type(t.dtype) if typed else self.MPI.BYTE]
+
     def _src(self, key: object, t: torch.Tensor, typed: bool = False):
         """(buffer spec, staged tensor) for data MPI reads; sums of half types in float32."""
-        if not t.is_cuda and not self.stage_all and t.is_contiguous() and not (
-                typed and t.dtype in _HALF):  # the common case, inlined: it runs per call
-            return [self._address(t.data_ptr(), t.nbytes),
-                    self._mpi_type(t.dtype) if typed else self.MPI.BYTE], t
+        b = self._direct(t, typed)
+        if b is not None:  # the common case
+            return b, t
         if typed and t.dtype in _HALF:
             s = self.staging.host(key, t.shape, torch.float32)
             s.copy_(t)
@@ -146,10 +158,9 @@ class MPITransport(Transport):
 
     def _dst(self, key: object, t: torch.Tensor, typed: bool = False):
         """(buffer spec, staged tensor) for data MPI writes (copied back by finish)."""
-        if not t.is_cuda and not self.stage_all and t.is_contiguous() and not (
-                typed and t.dtype in _HALF):  # as in _src
-            return [self._address(t.data_ptr(), t.nbytes),
-                    self._mpi_type(t.dtype) if typed else self.MPI.BYTE], t
+        b = self._direct(t, typed)
+        if b is not None:  # the common case
+            return b, t
         if typed and t.dtype in _HALF:
             s = self.staging.host(key, t.shape, torch.float32)
             return self._spec(s, True), s
@@ -243,22 +254,20 @@ class MPITransport(Transport):
         root = group.index(dst)
         buf, s = self._src(key, tensor, typed=True)
         if group.index(self.rank) == root:
-            req = group.handle.Ireduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM, root=root)
+            req = group.handle.Ireduce(self.MPI.IN_PLACE, buf, op=self._sum(tensor), root=root)
             return self._work(req, what, s, tensor)
-        req = group.handle.Ireduce(buf, None, op=self.MPI.SUM, root=root)
+        req = group.handle.Ireduce(buf, None, op=self._sum(tensor), root=root)
         return self._work(req, what, s)
 
     def all_reduce(self, tensor, group, src=None):
-        if src is not None and self._by_address(src) and self._by_address(tensor) \
-                and tensor.dtype not in _HALF:  # MPI reads src, writes tensor: no copy
-            req = group.handle.Iallreduce(self._src(None, src, typed=True)[0],
-                                          self._dst(None, tensor, typed=True)[0],
-                                          op=self.MPI.SUM)
-            return self._work(req, group.doing("all-reduce"), tensor, None, src)
         if src is not None:
+            sb, tb = self._direct(src, True), self._direct(tensor, True)
+            if sb is not None and tb is not None:  # MPI reads src, writes tensor: no copy
+                req = group.handle.Iallreduce(sb, tb, op=self._sum(tensor))
+                return self._work(req, group.doing("all-reduce"), tensor, None, src)
             tensor.copy_(src)
         buf, s = self._src(("allreduce", group.ranks), tensor, typed=True)
-        req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        req = group.handle.Iallreduce(self.MPI.IN_PLACE, buf, op=self._sum(tensor))
         return self._work(req, group.doing("all-reduce"), s, tensor)
 
     def all_gather(self, out, tensor, group):
@@ -270,7 +279,7 @@ class MPITransport(Transport):
     def reduce_scatter(self, out, inp, group):
         ob, so = self._dst(("rs-out", group.ranks), out, typed=True)
         ib, si = self._src(("rs-in", group.ranks), inp, typed=True)
-        req = group.handle.Ireduce_scatter_block(ib, ob, op=self.MPI.SUM)
+        req = group.handle.Ireduce_scatter_block(ib, ob, op=self._sum(inp))
         return self._work(req, group.doing("reduce-scatter"), so, out, si)
 
     def all_to_all(self, out, inp, out_splits, in_splits, group, even=False):
@@ -370,10 +379,11 @@ class _PersistentReduce(ReduceProgram):
         MPI = transport.MPI
         self.buffer = torch.zeros(shape, dtype=dtype)
         spec, root = transport._spec(self.buffer, True), group.index(dst)
+        op = transport._sum(self.buffer)
         if transport.rank == dst:
-            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=MPI.SUM, root=root)
+            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=op, root=root)
         else:
-            req = group.handle.Reduce_init(spec, None, op=MPI.SUM, root=root)
+            req = group.handle.Reduce_init(spec, None, op=op, root=root)
         self.requests = _Requests(MPI, [req], group.doing(f"reduce to {dst}"), self.buffer)
         self.free = self.requests.free
 
