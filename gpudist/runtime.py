@@ -323,7 +323,9 @@ def _mpi_store(transport: Transport, timeout: float):
 # -- failures that nobody catches ------------------------------------------------------
 _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
-EXIT_TEARDOWN_S = 5  # seconds the interpreter's teardown may take after an uncaught error
+# seconds the interpreter's teardown (exit handlers included) may take after an uncaught
+# error before SIGALRM ends the process
+EXIT_TEARDOWN_S = int(os.environ.get("GPUDIST_EXIT_TEARDOWN_S", "10"))
 
 
 def _excepthook(kind, value, tb) -> None:
@@ -334,7 +336,8 @@ def _excepthook(kind, value, tb) -> None:
     threads, which wait for a collective left in flight until the backend's timeout (a
     mismatch found while ranks wait ended the job 2 minutes later), so open files are
     flushed first and a teardown still running after ``EXIT_TEARDOWN_S`` is ended by
-    SIGALRM. Not in an interactive session, which goes on after the error."""
+    SIGALRM (env ``GPUDIST_EXIT_TEARDOWN_S``, default 10). Not in an interactive
+    session, which goes on after the error."""
     (_PREV_HOOK or sys.__excepthook__)(kind, value, tb)
     w = _WORLD
     if w is None:
@@ -352,7 +355,7 @@ def _excepthook(kind, value, tb) -> None:
     _flush_open_files()  # before a teardown that may not reach their finalizers
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
-        signal.alarm(EXIT_TEARDOWN_S)
+        signal.alarm(max(1, EXIT_TEARDOWN_S))
 
 
 def _flush_open_files() -> None:
