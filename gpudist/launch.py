@@ -139,6 +139,15 @@ def worker_main(argv: Sequence[str] | None = None) -> None:
     conn = Client((host, int(port)), authkey=bytes.fromhex(key))
     conn.send(w.rank)
     serve(conn)
+    if not gpudist.is_initialized():  # finalized cleanly: skip the interpreter's slow
+        # teardown (torch's modules; 1-4 s a pool on 2 cores), as a forked rank does
+        from mpi4py import MPI
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+        os._exit(0)
 
 
 # --------------------------------------------------------------------------- pools
@@ -148,6 +157,7 @@ class RankPool:
     def __init__(self, size: int) -> None:
         self.size = size
         self.conns: list[Connection] = []
+        self._stopping = False
 
     def run(self, fn: Callable, *args, timeout: float = 300.0, expect_error: bool = False,
             **kwargs) -> list:
@@ -194,6 +204,9 @@ class RankPool:
         return bool(self.conns)
 
     def _say_stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
         for c in self.conns:
             try:
                 c.send(None)
@@ -250,7 +263,9 @@ class MPIPool(RankPool):
 
     def __init__(self, size: int, device: str = "cpu", timeout: float = DEFAULT_COMM_TIMEOUT_S,
                  threads: int = 1, pythonpath: Sequence[str] = (),
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, connect: bool = True) -> None:
+        """``connect=False``: start the ranks and return; :meth:`connect` waits for them
+        (a pool runs tasks only once connected)."""
         super().__init__(size)
         exe = mpiexec()
         if exe is None:
@@ -264,18 +279,28 @@ class MPIPool(RankPool):
         self.proc = subprocess.Popen(
             [exe, "-n", str(size), sys.executable, "-m", "gpudist.launch", host, str(port),
              key.hex(), device, str(timeout)], env=env, start_new_session=True)
-        conns: dict[int, Connection] = {}
         # never hang if mpiexec fails to start: the accept has a deadline
         self.listener._listener._socket.settimeout(start_timeout)
-        for _ in range(size):
+        self._connected = False
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Wait until every rank has connected back (once)."""
+        if self._connected:
+            return
+        self._connected = True
+        conns: dict[int, Connection] = {}
+        for _ in range(self.size):
             try:
                 c = self.listener.accept()
             except OSError as e:
                 self._kill()
                 self.listener.close()
-                raise RankFailure(f"mpiexec -n {size} did not start its ranks: {e}") from e
+                raise RankFailure(f"mpiexec -n {self.size} did not start its ranks: {e}"
+                                  ) from e
             conns[c.recv()] = c
-        self.conns = [conns[i] for i in range(size)]
+        self.conns = [conns[i] for i in range(self.size)]
 
     def _check_sendable(self, fn: Callable) -> None:
         if getattr(fn, "__module__", None) == "__main__":
@@ -293,6 +318,8 @@ class MPIPool(RankPool):
             self.proc.wait()
 
     def close(self, kill: bool = False) -> None:
+        if not self._connected:  # never used: nobody to tell
+            kill = True
         if not kill:
             self._say_stop()
             try:
@@ -317,18 +344,32 @@ def start_pool(size: int, backend: str = "gloo", **kw) -> RankPool:
 
 
 class Cluster:
-    """Pools by (backend, size), started on first use and kept until :meth:`close`."""
+    """Pools by (backend, size), started on first use and kept until :meth:`close`.
+
+    An MPI pool started a second time (its world ended by a test that aborts it on
+    purpose) gets a spare started beside it, ready for the next time (an MPI pool takes
+    1-3 s to start; a forked one milliseconds)."""
 
     def __init__(self, **pool_kw) -> None:
         self.pools: dict[tuple[str, int], RankPool] = {}
+        self.spares: dict[tuple[str, int], MPIPool] = {}
+        self.starts: dict[tuple[str, int], int] = {}
         self.pool_kw = pool_kw
 
     def pool(self, size: int, backend: str = "gloo") -> RankPool:
         key = (backend, size)
         p = self.pools.get(key)
         if p is None or not p.alive:
-            p = start_pool(size, backend, **self.pool_kw)
+            spare = self.spares.pop(key, None)
+            if spare is not None:
+                spare.connect()
+                p = spare
+            else:
+                p = start_pool(size, backend, **self.pool_kw)
             self.pools[key] = p
+            self.starts[key] = self.starts.get(key, 0) + 1
+            if backend == "mpi" and self.starts[key] > 1:
+                self.spares[key] = MPIPool(size, connect=False, **self.pool_kw)
         return p
 
     def run(self, size: int, fn: Callable, *args, backend: str = "gloo", **kwargs) -> list:
@@ -341,10 +382,15 @@ class Cluster:
             p.close(kill=True)
 
     def close(self) -> None:
-        for p in self.pools.values():
-            if p.alive:
-                p.close()
+        """Stop every pool: all are told to stop first, so their ranks wind down together
+        (an MPI pool's MPI_Finalize and interpreter exit take 1-4 s)."""
+        live = [p for p in self.pools.values() if p.alive]
+        for p in live:
+            p._say_stop()
+        for p in [*live, *self.spares.values()]:
+            p.close()
         self.pools.clear()
+        self.spares.clear()
 
 
 def run(fn: Callable, size: int, *args, backend: str = "gloo", timeout: float = 3600.0,

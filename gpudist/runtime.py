@@ -332,12 +332,13 @@ def _excepthook(kind, value, tb) -> None:
     """Print the error, post it to the world (peers raise RemoteError at once) and end
     the process: under MPI abort the job (a rank left in MPI_Finalize would wait for its
     peers forever); under torch.distributed let Python exit as usual (exit handlers run,
-    files are flushed) with an alarm set: the interpreter's teardown joins the backend's
-    threads, which wait for a collective left in flight until the backend's timeout (a
-    mismatch found while ranks wait ended the job 2 minutes later), so open files are
-    flushed first and a teardown still running after ``EXIT_TEARDOWN_S`` is ended by
-    SIGALRM (env ``GPUDIST_EXIT_TEARDOWN_S``, default 10). Not in an interactive
-    session, which goes on after the error."""
+    files are flushed) but without destroying the process groups (a gloo group's
+    destructor joins its threads, and one in a collective left in flight waits the
+    backend's whole timeout: a mismatch found while ranks wait ended the job 2 minutes
+    later). Open files are flushed first, and a teardown still running after
+    ``EXIT_TEARDOWN_S`` (e.g. an exit handler of the user's that waits) is ended by
+    SIGALRM (env ``GPUDIST_EXIT_TEARDOWN_S``, default 10). Not in an interactive session,
+    which goes on after the error."""
     (_PREV_HOOK or sys.__excepthook__)(kind, value, tb)
     w = _WORLD
     if w is None:
@@ -352,6 +353,7 @@ def _excepthook(kind, value, tb) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
+    w.transport.abandon()  # no teardown that waits for a collective left in flight
     _flush_open_files()  # before a teardown that may not reach their finalizers
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process

@@ -385,6 +385,10 @@ def test_failing_rank_under_a_launcher(case, backend, tmp_path):
     assert secs < 40, (secs, out)
     if case == "raise":
         assert "rank 1 gave up on purpose" in out, out
+    if backend == "gloo":  # no rank needed the teardown guard: the process groups are
+        # left alive at exit, so no gloo thread in a dead collective is joined (mismatch:
+        # every rank ended by SIGALRM after 10 s before)
+        assert "SIGALRM" not in out, out
     if case in ("raise", "mismatch") and backend == "gloo":  # Python's exit ran: what the
         # first rank to leave wrote is flushed (torchrun's agent then stops the others;
         # MPI_Abort ends every rank at once)

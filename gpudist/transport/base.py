@@ -321,3 +321,7 @@ class Transport(ABC):
 
     def finalize(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources."""
+
+    def abandon(self) -> None:  # noqa: B027 - optional hook
+        """Leave the backend as it is for an exit after an error: a backend whose teardown
+        would wait for an operation left in flight skips that teardown."""

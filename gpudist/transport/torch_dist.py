@@ -14,6 +14,7 @@ machines too.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import queue
@@ -261,6 +262,14 @@ class TorchDistTransport(Transport):
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
         return self._coll(w, group.doing("metadata exchange"))
+
+    def abandon(self) -> None:
+        """Keep every process group alive through the interpreter's teardown: a gloo
+        group's destructor joins its worker threads, and a thread in a collective its peers
+        left waits the backend's whole timeout (``abort()`` does not wake it). The process
+        is exiting; the operating system reclaims the groups."""
+        for pg in list(dist.distributed_c10d._world.pg_map):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
     def finalize(self) -> None:
         self._waiter.stop()

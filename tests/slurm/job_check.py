@@ -199,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         rec["comm_s"] = round(time.monotonic() - t1, 3)
     except Exception as e:  # a timeout or a broken world: report it, exit non-zero at once
         emit({**rec, "status": "error", "error": f"{type(e).__name__}: {e}", "errors": errors})
-        # gpudist posted the error to the world; under MPI give the peers a moment to
-        # report theirs before mpiexec kills them for our exit (gloo peers see it at once)
-        if a.backend == "mpi":
-            time.sleep(gpudist.runtime.EXIT_GRACE_S)
+        # gpudist posted the error to the world; give the peers a moment to report theirs
+        # before the launcher kills them for our exit (srun --kill-on-bad-exit, mpiexec:
+        # a peer polls the posted error every 20 ms, but the kill can come first)
+        time.sleep(gpudist.runtime.EXIT_GRACE_S)
         os._exit(1)  # no finalizers: peers may be dead or stuck
     status = "ok" if not errors else "failed"
     emit({**rec, "status": status, "errors": errors})
