@@ -217,6 +217,10 @@ class Control:
         past[seq % HISTORY] = op
         return _Numbered(self, op)
 
+    def count(self, group: tuple[int, ...]) -> int:
+        """How many operators this rank has run on ``group``."""
+        return self._seq.get(group, 0)
+
     # -- the wait loop --------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], what: Label, timeout: float | None = None,
              block: Callable[[float], object] | None = None, spin: bool = False) -> None:

@@ -126,6 +126,31 @@ def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
         raise err
 
 
+def check_call(group: Group | None, what: str, fingerprint: int, seq: int) -> None:
+    """The call check (``GPUDIST_CHECK_CALLS=1``): before a data exchange, compare the
+    operator each member is about to run (``what`` and the ``fingerprint`` of its plan and
+    direction) and how many operators each has run on the group (``seq``). Catches what the
+    per-change checks cannot: two operators whose counts agree run in swapped order by
+    some ranks, or an adjoint meeting a forward (a skipped backward). One small all-gather
+    per call."""
+    if group is None or group.size == 1:
+        return
+    rows = exchange(group, Row.make(what, OK, fingerprint, None, "cpu", None, None,
+                                    spec_hash=seq), f"call check of {what}")
+    if len({(x.name, x.config, x.spec_hash) for x in rows}) > 1:
+        detail = "; ".join(f"rank {r}: {x.name} [plan {x.config & 0xFFFFFFFF:#x}] after "
+                           f"{x.spec_hash} operators" for r, x in zip(group.ranks, rows))
+        err = MismatchError(
+            f"call check over ranks {list(group.ranks)}: the ranks are about to run "
+            f"different operators ({detail}): the program differs between ranks (operators "
+            f"called in another order, a backward skipped, or an operator run on some "
+            f"ranks only)")
+        from .runtime import require_world
+
+        require_world(None).control.abort(err, what)
+        raise err
+
+
 def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | None = None,
                 placements: Sequence[int] | Callable[[int], Sequence[int]] | None = None
                 ) -> TensorSpec:

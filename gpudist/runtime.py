@@ -124,6 +124,7 @@ class World:
     control: Control
     cache_size: int = 8
     uids: dict = field(default_factory=dict)
+    check_calls: bool = False  # GPUDIST_CHECK_CALLS: compare every call (meta.check_call)
 
     @property
     def timeout(self) -> float:
@@ -265,10 +266,24 @@ def init(
     cache = int(os.environ.get("GPUDIST_PLAN_CACHE", "8"))
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
+    _WORLD.check_calls = _any_rank(_WORLD, os.environ.get("GPUDIST_CHECK_CALLS", "0") not in (
+        "0", "", "no", "false"))
     if launch.size > 1:
         _install_excepthook()
         atexit.register(_at_exit)
     return _WORLD
+
+
+def _any_rank(w: World, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (a world-collective exchange at init, so that a
+    setting read from one rank's environment holds on every rank)."""
+    if w.size == 1:
+        return flag
+    tr = w.transport
+    out = torch.empty(w.size, dtype=torch.int64)
+    tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag)]), tr.group(range(w.size)))],
+            "the settings exchange of gpudist.init")
+    return bool(out.any())
 
 
 def _rendezvous_store(launch: LaunchEnv, td: datetime.timedelta):

@@ -575,6 +575,72 @@ def test_requires_grad_differing_at_a_repeated_spec(cluster, backend, kind, off)
     assert secs < FAST, secs
 
 
+def _diverging_calls(kind, check, diverge=True):
+    """After two alike steps, rank 1 diverges in a way no per-change check sees: it calls
+    two Repartitions of the same ranks and counts in swapped order ("swap"), or skips the
+    backward of a Broadcast whose root then runs its adjoint against rank 1's next forward
+    ("skip"). With the call check on (``GPUDIST_CHECK_CALLS``): a mismatch on every rank."""
+    w = gpudist.world()
+    w.check_calls = check
+    odd = diverge and w.rank == 1
+    try:
+        P, Q, P1 = Partition([0, 1], (2,)), Partition([1, 0], (2,)), Partition([0], (1,))
+        if kind == "swap":
+            a, b = Repartition(P, Q), Repartition(P, Q)
+            spec = TensorSpec(P, (4,), torch.float64, "cpu")
+            out = []
+            for step in range(3):
+                xa = DistTensor(torch.full((2,), 10.0 * step + w.rank, dtype=torch.float64),
+                                spec)
+                xb = DistTensor(torch.full((2,), 10.0 * step + 5 + w.rank,
+                                           dtype=torch.float64), spec)
+                if step == 2 and odd:
+                    yb, ya = b(xb), a(xa)
+                else:
+                    ya, yb = a(xa), b(xb)
+                out.append((ya.local.tolist(), yb.local.tolist()))
+            return out
+        op = Broadcast(P1, P)
+        spec = TensorSpec(P1, (3,), torch.float64, "cpu")
+        grads = []
+        for step in range(3):
+            loc = torch.full(spec.local_shape, 1.0 + step, dtype=torch.float64,
+                             requires_grad=True)
+            y = op(DistTensor(loc, spec))
+            if step != 1 or not odd:
+                y.local.sum().backward()
+                grads.append(loc.grad.sum().item())
+        return grads
+    finally:
+        w.check_calls = False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["swap", "skip"])
+def test_call_check_finds_what_the_change_checks_cannot(cluster, backend, kind):
+    errs, secs = _run_timed(cluster, 2, _diverging_calls, kind, True, backend=backend)
+    _is_mismatch_everywhere(errs, "call check")
+    assert secs < FAST, secs
+
+
+def _setting_and_alike_calls():
+    w = gpudist.world()
+    return w.check_calls, _diverging_calls("swap", w.check_calls, diverge=False)
+
+
+def test_call_check_from_the_environment(monkeypatch):
+    """GPUDIST_CHECK_CALLS=1 turns the check on (agreed at init: on if any rank's
+    environment says so); programs that agree pass it with the values they have without."""
+    from gpudist.launch import run
+
+    monkeypatch.setenv("GPUDIST_CHECK_CALLS", "1")
+    on = run(_setting_and_alike_calls, 2, backend="gloo", timeout=60)
+    monkeypatch.delenv("GPUDIST_CHECK_CALLS")
+    off = run(_setting_and_alike_calls, 2, backend="gloo", timeout=60)
+    assert [f for f, _ in on] == [True, True] and [f for f, _ in off] == [False, False]
+    assert [v for _, v in on] == [v for _, v in off], (on, off)
+
+
 def _state_changed_on_one_rank(what):
     """After a first call, one rank changes the layer: an option (batch norm's eps), its
     parameters' dtype, or builds nothing new at all (a fuzz found the first two silently

@@ -38,7 +38,7 @@ from ..errors import (
     planning_error,
     raised_everywhere,
 )
-from ..meta import derive_spec, verify
+from ..meta import check_call, derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
 from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
@@ -317,7 +317,12 @@ class Primitive(torch.nn.Module):
 
     def numbered(self, plan: Plan, adjoint: bool = False):
         """``with op.numbered(plan)``: one call of F (or F*) as the control plane counts it
-        (every member of the group counts the same calls)."""
+        (every member of the group counts the same calls). With the world's call check on
+        (``GPUDIST_CHECK_CALLS=1``) the members first compare what they are about to run."""
+        if self.world.check_calls:
+            check_call(self.group, self._adj_label if adjoint else self._fwd_label,
+                       plan.fingerprint + int(adjoint),
+                       self.world.control.count(self.participants))
         if adjoint:
             return self.world.control.op(self.participants, self._adj_label,
                                          plan.fingerprint + 1, self.collective)
