@@ -304,3 +304,50 @@ def test_max_pool_edge_split_equals_torch(cluster, backend):
             (case[0], compared[0])
         assert all(r["inactive_numel-True"] == r["inactive_numel-False"] == 0
                    for r in per_rank), case[0]
+
+
+def _refused_inputs():
+    """Inputs torch's op refuses, on a depth split over two ranks (one block empty where
+    the global depth is 1): an error on every rank, not torch's on the ranks with data."""
+    from gpudist import DistTensor
+
+    out = []
+    P = Partition([0, 1], (1, 1, 2, 1, 1))
+    cases = [("avg3-short", lambda: gnn.DistributedAvgPool3d(P, (3, 1, 1), 1, (1, 0, 0)),
+              (1, 1, 2, 2, 2), torch.float64),
+             ("avg3-short-empty", lambda: gnn.DistributedAvgPool3d(P, (3, 1, 1), 1, (1, 0, 0)),
+              (1, 1, 1, 2, 2), torch.float64),
+             ("avg3-half", lambda: gnn.DistributedAvgPool3d(P, 2), (1, 1, 1, 4, 4),
+              torch.float16),
+             ("max1-int", lambda: gnn.DistributedMaxPool1d(Partition([0, 1], (1, 1, 2)), 2),
+              (1, 1, 1), torch.int64),
+             ("upsample-int", lambda: gnn.DistributedUpsample(
+                 Partition([0, 1], (2, 1, 1, 1)), scale_factor=2.0, mode="bilinear"),
+              (1, 1, 2, 3), torch.int64)]
+    for name, make, g, dt in cases:
+        layer = make()
+        G = torch.arange(torch.Size(g).numel()).reshape(g).to(dt)
+        x = G[Decomposition(g, layer.P_x.shape).global_slices(layer.P_x.coords)].clone()
+        try:
+            layer(DistTensor.from_local(x, layer.P_x, g))
+            out.append((name, None))
+        except Exception as e:
+            out.append((name, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def test_inputs_torch_refuses_raise_on_every_rank(cluster):
+    """A fuzz found these raising torch's error on the ranks holding data only (3-D
+    average pooling of an input shorter than the kernel, which torch refuses whatever the
+    padding; dtypes torch's kernel lacks, e.g. float16 3-D average pooling on the CPU)."""
+    for per_rank in cluster.run(2, _refused_inputs):
+        for name, err in per_rank:
+            want = "ShapeError" if "short" in name else "DeviceError"
+            assert err is not None and err.startswith(want), (name, err)
+    with pytest.raises(RuntimeError):  # torch refuses each too
+        torch.nn.AvgPool3d((3, 1, 1), 1, (1, 0, 0))(torch.zeros(1, 1, 2, 2, 2))
+    with pytest.raises(NotImplementedError):
+        torch.nn.MaxPool1d(2)(torch.zeros(1, 1, 4, dtype=torch.int64))
+    with pytest.raises(NotImplementedError):
+        torch.nn.Upsample(scale_factor=2.0, mode="bilinear")(
+            torch.zeros(1, 1, 2, 3, dtype=torch.int64))

@@ -175,7 +175,33 @@ class DistributedModule(torch.nn.Module):
         dist_in = isinstance(x, DistTensor)
         local = x.local if dist_in else x
         spec = x.spec if dist_in else self.spec_of(local)
-        return (dist_in, *self.autocast_input(local, spec))
+        local, spec = self.autocast_input(local, spec)
+        if self.autocast == "probe":
+            self.check_op_dtype(spec)
+        return dist_in, local, spec
+
+    def check_op_dtype(self, spec: TensorSpec) -> None:
+        """Whether torch's op takes ``spec``'s dtype on its device (its kernels' lists
+        differ by op and device: bilinear up-sampling of int64, 3-D average pooling of
+        float16 on the CPU), asked once per (device, dtype, rank) with
+        :meth:`autocast_probe`: a dtype it refuses is a DeviceError on every rank (the
+        spec is alike everywhere), not torch's error on the ranks that hold data only."""
+        key = (spec.device_type, spec.dtype, spec.ndim)
+        seen = self.__dict__.setdefault("_op_dtypes", {})
+        why = seen.get(key, "")
+        if why == "":
+            x = torch.zeros((1,) * spec.ndim, dtype=spec.dtype, device=spec.device_type)
+            try:
+                with torch.no_grad(), torch.autocast(spec.device_type, enabled=False):
+                    self.autocast_probe(x)
+                why = None
+            except (NotImplementedError, RuntimeError) as e:
+                why = str(e).splitlines()[0][:200]
+            seen[key] = why
+        if why is not None:
+            raise raised_everywhere(DeviceError(
+                f"{self.name}: torch's op does not take {str(spec.dtype).replace('torch.', '')}"
+                f" input on {spec.device_type} (torch says: {why})"))
 
     def autocast_input(self, local: torch.Tensor, spec: TensorSpec
                        ) -> tuple[torch.Tensor, TensorSpec]:

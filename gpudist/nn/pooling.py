@@ -138,6 +138,11 @@ class _DistributedPoolNd(DistributedModule):
                     f"{type(self).__name__}: global input size {g[2:]} gives output length {m}"
                     f" in spatial dim {a} (kernel_size={k}, stride={s}, padding={p}, "
                     f"dilation={d}): output size is too small"))
+            if self.kind == "avg" and self.spatial == 3 and L < k:
+                raise raised_everywhere(ShapeError(  # torch's avg_pool3d refuses it
+                    f"{type(self).__name__}: global input size {g[2:]} is smaller than the "
+                    f"kernel size {self.k} in spatial dim {a} (torch's avg_pool3d requires "
+                    f"input size >= kernel size, padding aside)"))
             r = max(0, (m - 1) * s + d * (k - 1) + 1 - (L + 2 * p))
             pads.append((p, p + r))
         return halo_spec(g, self.P_x.shape, (1, 1) + self.k, (1, 1) + self.s, tuple(pads),
