@@ -279,6 +279,27 @@ def test_lying_spec_is_an_error_everywhere(cluster):
     assert secs < FAST, secs
 
 
+def _bad_block_at_first_call(kind):
+    """Rank 1's DistTensor holds a block of another shape than its spec says (built with
+    ``check=False``) at a layer's first call: the check across ranks reports it, so every
+    rank raises (a fuzz found the error on rank 1 only, and peers that never exchange with
+    it returning normally)."""
+    P = Partition([0, 1, 2], (1, 1, 3))
+    layer = _conv(P) if kind == "conv" else gnn.DistributedMaxPool1d(P, 3, 1, 1)
+    x = _x(P)
+    if gpudist.world().rank == 1:
+        x = DistTensor(torch.zeros(2, 2, 5, dtype=torch.float64), x.spec, check=False)
+    layer(x)
+
+
+@pytest.mark.parametrize("kind", ["conv", "pool"])
+def test_bad_block_at_a_first_call_fails_everywhere(cluster, kind):
+    errs, secs = _run_timed(cluster, 3, _bad_block_at_first_call, kind)
+    assert all(e is not None and e.type == "ShapeError" and "[1]" in e.message
+               for e in errs), errs
+    assert secs < FAST, secs
+
+
 def _collect_vs_distribute():
     P, root = Partition.grid((3,)), Partition.root(1)
     t = torch.zeros(3, dtype=torch.float64)

@@ -327,10 +327,12 @@ class DistributedModule(torch.nn.Module):
     def forward(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
             dist_in, local, spec = self.take(x)
-            plan = self.plan(spec, local)
-            self.check_call(plan)
             local = spec.adopt(local)
-            spec.check_local(local, self.name)
+            ok = spec.matches(local)  # a checked call reports a bad block on every rank
+            plan = self.plan(spec, local, ok)
+            self.check_call(plan)
+            if not ok:
+                spec.check_local(local, self.name)
             if self.world.rank in self.participants:
                 y = self.run(local, plan)
             else:  # records the graph where a participant's output would: through the
