@@ -91,13 +91,14 @@ class Row:
         return f"{self.name} [config {self.config:#x}]{g} {dt} on {self.device}"
 
 
-def exchange(group: Group | None, row: Row, what: str) -> list[Row]:
-    """Every member's row, in ascending world-rank order (collective over ``group``)."""
+def exchange(group: Group | None, row: Row, what: str, world=None) -> list[Row]:
+    """Every member's row, in ascending world-rank order (collective over ``group``;
+    ``world``: the current one)."""
     if group is None or group.size == 1:
         return [row]
     from .runtime import require_world
 
-    w = require_world(None)
+    w = require_world(world)
     mine = torch.tensor(row.v, dtype=torch.int64)
     out = torch.empty(group.size * ROW, dtype=torch.int64)
     with w.control.op(group.ranks, f"metadata exchange of {what}", META_FP):
@@ -111,7 +112,9 @@ def exchange(group: Group | None, row: Row, what: str) -> list[Row]:
     return rows
 
 
-def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
+def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -> None:
+    """Raise a MismatchError (posted to the world) unless every row names the same
+    operator and configuration."""
     kinds = {(x.name, x.config) for x in rows}
     if len(kinds) > 1:
         detail = "; ".join(f"rank {r}: {x.describe()}" for r, x in zip(ranks, rows))
@@ -122,7 +125,7 @@ def _same_program(rows: list[Row], ranks: Sequence[int], what: str) -> None:
             f"or its options or parameter dtypes changed on some ranks)")
         from .runtime import require_world
 
-        require_world(None).control.abort(err, what)  # the programs diverged: no way on
+        require_world(world).control.abort(err, what)  # the programs diverged: no way on
         raise err
 
 
@@ -175,7 +178,7 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     row = Row.make(f"shape:{what}", OK if here else ABSENT, stable_hash(P.key),
                    local.dtype, local.device.type, tuple(local.shape) if here else None, None)
     rows = exchange(g, row, what)
-    _same_program(rows, ranks, what)
+    same_program(rows, ranks, what)
     members = [(r, x) for r, x in zip(ranks, rows) if x.status != ABSENT]
     kinds = {(x.dtype, x.device) for x in rows}  # zero-volume blocks of non-members too
     if len(kinds) > 1:
@@ -248,7 +251,7 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
                    None, spec.global_shape if spec else None,
                    spec.fingerprint if spec else 0)
     rows = exchange(group, row, what)
-    _same_program(rows, group.ranks, what)
+    same_program(rows, group.ranks, what)
     specs = {(x.spec_hash, x.dtype, x.device, x.glob) for x in rows}
     if len(specs) > 1:
         detail = "; ".join(f"rank {r}: {x.describe()} [partition/spec {x.spec_hash:#x}]"

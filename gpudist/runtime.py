@@ -368,11 +368,11 @@ def _excepthook(kind, value, tb) -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(1)
-    w.transport.abandon()  # no teardown that waits for a collective left in flight
-    _flush_open_files()  # before a teardown that may not reach their finalizers
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
         signal.alarm(max(1, EXIT_TEARDOWN_S))
+    w.transport.abandon()  # no teardown that waits for a collective left in flight
+    _flush_open_files()  # before a teardown that may not reach their finalizers
 
 
 def _flush_open_files() -> None:
@@ -381,12 +381,11 @@ def _flush_open_files() -> None:
     import io
 
     for o in gc.get_objects():
-        if isinstance(o, io.IOBase):
-            try:
-                if not o.closed:
-                    o.flush()
-            except Exception:
-                pass
+        try:  # (isinstance itself raises for a dead weakref.proxy: torch.compile leaves some)
+            if isinstance(o, io.IOBase) and not o.closed:
+                o.flush()
+        except Exception:
+            pass
 
 
 def _at_exit() -> None:
@@ -425,7 +424,7 @@ def finalize() -> None:
         return
     try:
         if w.size > 1:
-            w.transport.barrier()
+            _last_barrier(w)
             _leave_last(w)
     finally:
         w.transport.finalize()
@@ -435,6 +434,19 @@ def finalize() -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _last_barrier(w: World) -> None:
+    """The barrier of :func:`finalize` as a metadata exchange of the world: a rank that
+    finalizes while its peers run an operator meets their exchange (rows of one size: a
+    raw barrier's row against theirs crashed gloo) or their wait, and every rank raises a
+    MismatchError naming finalize."""
+    from .meta import OK, Row, exchange, same_program
+
+    group = w.transport.group(range(w.size))
+    rows = exchange(group, Row.make("gpudist.finalize", OK, 0, None, "cpu", None, None),
+                    "gpudist.finalize", world=w)
+    same_program(rows, group.ranks, "gpudist.finalize", world=w)
 
 
 LEAVE_WAIT_S = 5.0

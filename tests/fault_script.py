@@ -15,12 +15,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import weakref
 
 import torch
 
 import gpudist
 import gpudist.nn as gnn
 from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
+
+
+class _Gone:
+    pass
+
+
+_DEAD: list = []
 
 
 def main() -> int:
@@ -34,6 +42,8 @@ def main() -> int:
     w = gpudist.init(backend=a.backend, device="cpu", timeout=a.timeout)
     log = open(os.path.join(a.dir, f"log{w.rank}.txt"), "w")  # left open, not flushed:
     log.write("started\n")  # an error must not lose it
+    _DEAD.append(weakref.proxy(_Gone()))  # a dead proxy (torch.compile leaves some): the
+    # hook's scan for open files must pass over it (it raised ReferenceError there before)
     if a.case == "mismatch":  # steady state, then rank 1 runs another collective of the
         # same group: a MismatchError on every rank, uncaught (the job must end at once;
         # under torchrun it outlived the error by the backend's timeout before)
