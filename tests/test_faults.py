@@ -319,6 +319,26 @@ def test_finalize_on_one_rank_is_a_mismatch(cluster, backend):
     assert secs < FAST, secs
 
 
+def _outsider_passes_data():
+    """Rank 2, outside the AllGather's ranks [0, 1], passes a non-empty plain block: a
+    ShapeError there (it was returned unchanged, as if gathered), posted to the others."""
+    from gpudist.primitives import AllGather
+
+    P = Partition([0, 1], (2,))
+    x = torch.arange(2.0, dtype=torch.float64) if P.active else torch.full((3,), 9.0)
+    AllGather(P, 0, 0)(x)
+    gpudist.world().transport.barrier()  # the members meet rank 2's error here
+
+
+def test_data_outside_an_operator_is_an_error(cluster, backend):
+    errs, secs = _run_timed(cluster, 3, _outsider_passes_data, backend=backend)
+    assert errs[2] is not None and errs[2].type == "ShapeError" and "outside" in \
+        errs[2].message, errs
+    assert all(e is not None and e.type == "RemoteError" and "rank 2" in e.message
+               for e in errs[:2]), errs
+    assert secs < FAST, secs
+
+
 def _collect_vs_distribute():
     P, root = Partition.grid((3,)), Partition.root(1)
     t = torch.zeros(3, dtype=torch.float64)

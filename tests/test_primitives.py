@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gpudist
-from gpudist import Partition
+from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
 from gpudist.primitives import (
     AllGather,
     AllSumReduce,
@@ -351,3 +351,24 @@ def test_reduce_programs_need_every_rank(cluster):
     res = cluster.run(3, _persistence_agreed, backend="mpi")
     assert [r[0] for r in res] == [True, False, True], res
     assert all(r[1] is False and r[2] for r in res), res
+
+
+def _complex_adjoints():
+    P, Q = Partition.grid((2, 1)), Partition.grid((1, 2))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, dtype=torch.complex128, generator=g)
+    spec = TensorSpec(P, (4, 5), torch.complex128, "cpu")
+    summands = TensorSpec(P, (2, 5), torch.complex128, "cpu", (PARTIAL, -1))
+    return [adjoint_mismatch(Repartition(P, Q), DistTensor(x, spec), seed=1),
+            adjoint_mismatch(AllSumReduce(P, [0]), DistTensor(x, summands), seed=1)]
+
+
+def test_adjoint_test_of_complex_blocks(cluster):
+    """The dot products of the adjoint test are Re sum(conj(a) b) for complex blocks (they
+    dropped the imaginary parts, with a warning, before)."""
+    from gpudist.testing.adjoint import _dot
+
+    assert _dot(torch.full((3,), 1j), torch.full((3,), 1j)) == 3.0
+    assert _dot(torch.full((3,), 1 + 2j), torch.full((3,), 2j)) == 12.0
+    for m in cluster.run(2, _complex_adjoints):
+        assert max(m) < 1e-13, m

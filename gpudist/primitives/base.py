@@ -290,7 +290,12 @@ class Primitive(torch.nn.Module):
             if local.requires_grad and local.dtype in _INT:
                 raise raised_everywhere(DeviceError(
                     f"{self.name}: an integer tensor ({local.dtype}) cannot require grad"))
-            if not self.member and not dist_in:
+            if not self.member and not dist_in:  # nothing to do here: a plain block of
+                if local.numel():  # a rank outside the operator must hold no data
+                    raise ShapeError(
+                        f"{self.name}: rank {self.world.rank} is outside the operator (ranks "
+                        f"{list(self.participants)}) but passed a block of shape "
+                        f"{tuple(local.shape)}; pass an empty tensor there (or a DistTensor)")
                 return local
             spec = x.spec if dist_in else self.derive(local)
             local = spec.adopt(local)

@@ -38,9 +38,14 @@ def _with_local(like, t: torch.Tensor):
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Re <a, b> (the real inner product; for complex blocks the real part of
+    sum(conj(a) * b), under which autograd's backward of a linear map is its adjoint)."""
     if a.numel() == 0:
         return 0.0
-    return float((a.detach().to(torch.float64) * b.detach().to(torch.float64)).sum())
+    a, b = a.detach(), b.detach()
+    if a.is_complex() or b.is_complex():
+        return float((a.to(torch.complex128).conj() * b.to(torch.complex128)).real.sum())
+    return float((a.to(torch.float64) * b.to(torch.float64)).sum())
 
 
 def adjoint_mismatch(
@@ -62,7 +67,8 @@ def adjoint_mismatch(
     x = xl
     if y is None:
         g = torch.Generator().manual_seed((seed or 0) * 7919 + w.rank)
-        y = torch.randn(fx.shape, generator=g, dtype=torch.float64).to(fx.dtype).to(fx.device)
+        wide = torch.complex128 if fx.is_complex() else torch.float64
+        y = torch.randn(fx.shape, generator=g, dtype=wide).to(fx.dtype).to(fx.device)
     if fx.shape != y.shape:
         raise ValueError(f"y has shape {tuple(y.shape)} but F(x) has {tuple(fx.shape)}")
     fty = None
