@@ -123,10 +123,23 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
             f"({detail}): the program differs between ranks (a layer or partition created, "
             f"skipped or called on some ranks only, or a layer built with other options, "
             f"or its options or parameter dtypes changed on some ranks)")
-        from .runtime import require_world
+        _diverged(err, what, world)
 
-        require_world(world).control.abort(err, what)  # the programs diverged: no way on
-        raise err
+
+def _diverged(err: MismatchError, what: str, world=None) -> None:
+    """Post ``err`` to the world and raise it: the programs diverged, no way on."""
+    from .runtime import require_world
+
+    require_world(world).control.abort(err, what)
+    raise err
+
+
+def barrier(group: Group | None, what: str, world=None) -> None:
+    """A checked barrier: a metadata exchange of a row naming ``what``, so a rank that
+    meets another operator's exchange (or wait) raises a MismatchError on every rank (a raw
+    barrier's shorter row against a metadata row crashed gloo)."""
+    rows = exchange(group, Row.make(what, OK, 0, None, "cpu", None, None), what, world)
+    same_program(rows, group.ranks if group is not None else (), what, world)
 
 
 def check_call(group: Group | None, what: str, fingerprint: int, seq: int) -> None:
@@ -148,10 +161,7 @@ def check_call(group: Group | None, what: str, fingerprint: int, seq: int) -> No
             f"different operators ({detail}): the program differs between ranks (operators "
             f"called in another order, a backward skipped, or an operator run on some "
             f"ranks only)")
-        from .runtime import require_world
-
-        require_world(None).control.abort(err, what)
-        raise err
+        _diverged(err, what)
 
 
 def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | None = None,

@@ -437,16 +437,12 @@ def finalize() -> None:
 
 
 def _last_barrier(w: World) -> None:
-    """The barrier of :func:`finalize` as a metadata exchange of the world: a rank that
-    finalizes while its peers run an operator meets their exchange (rows of one size: a
-    raw barrier's row against theirs crashed gloo) or their wait, and every rank raises a
-    MismatchError naming finalize."""
-    from .meta import OK, Row, exchange, same_program
+    """The barrier of :func:`finalize`, checked (:func:`gpudist.meta.barrier`): a rank
+    that finalizes while its peers run an operator makes every rank raise a MismatchError
+    naming ``gpudist.finalize``."""
+    from .meta import barrier
 
-    group = w.transport.group(range(w.size))
-    rows = exchange(group, Row.make("gpudist.finalize", OK, 0, None, "cpu", None, None),
-                    "gpudist.finalize", world=w)
-    same_program(rows, group.ranks, "gpudist.finalize", world=w)
+    barrier(w.transport.group(range(w.size)), "gpudist.finalize", w)
 
 
 LEAVE_WAIT_S = 5.0

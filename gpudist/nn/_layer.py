@@ -187,17 +187,16 @@ class DistributedModule(torch.nn.Module):
         :meth:`autocast_probe`: a dtype it refuses is a DeviceError on every rank (the
         spec is alike everywhere), not torch's error on the ranks that hold data only."""
         key = (spec.device_type, spec.dtype, spec.ndim)
-        seen = self.__dict__.setdefault("_op_dtypes", {})
-        why = seen.get(key, "")
-        if why == "":
+        seen = self.__dict__.setdefault("_op_dtypes", {})  # key -> None (taken) or why not
+        if key not in seen:
             x = torch.zeros((1,) * spec.ndim, dtype=spec.dtype, device=spec.device_type)
             try:
                 with torch.no_grad(), torch.autocast(spec.device_type, enabled=False):
                     self.autocast_probe(x)
-                why = None
+                seen[key] = None
             except (NotImplementedError, RuntimeError) as e:
-                why = str(e).splitlines()[0][:200]
-            seen[key] = why
+                seen[key] = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        why = seen[key]
         if why is not None:
             raise raised_everywhere(DeviceError(
                 f"{self.name}: torch's op does not take {str(spec.dtype).replace('torch.', '')}"

@@ -324,15 +324,11 @@ class Primitive(torch.nn.Module):
         """``with op.numbered(plan)``: one call of F (or F*) as the control plane counts it
         (every member of the group counts the same calls). With the world's call check on
         (``GPUDIST_CHECK_CALLS=1``) the members first compare what they are about to run."""
+        label, fp = ((self._adj_label, plan.fingerprint + 1) if adjoint else
+                     (self._fwd_label, plan.fingerprint))
         if self.world.check_calls:
-            check_call(self.group, self._adj_label if adjoint else self._fwd_label,
-                       plan.fingerprint + int(adjoint),
-                       self.world.control.count(self.participants))
-        if adjoint:
-            return self.world.control.op(self.participants, self._adj_label,
-                                         plan.fingerprint + 1, self.collective)
-        return self.world.control.op(self.participants, self._fwd_label, plan.fingerprint,
-                                     self.collective)
+            check_call(self.group, label, fp, self.world.control.count(self.participants))
+        return self.world.control.op(self.participants, label, fp, self.collective)
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F on a block, numbered for the control plane (both paths of :meth:`apply`)."""
