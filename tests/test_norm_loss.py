@@ -102,6 +102,41 @@ def test_batchnorm_one_value_per_channel_is_an_error(cluster, eval_without_stats
                for e in errs), errs
 
 
+def _bn_running_edited_on_one_rank(edit: bool):
+    P = Partition.grid((2, 1, 2, 1))  # one channel block: four copies of its statistics
+    layer = gnn.DistributedBatchNorm(P, 3, dtype=torch.float64)
+    G = global_tensor((4, 3, 6, 4), seed=1)
+    layer(block_of(G, P))
+    if edit and P.index == 3:  # one rank's copy changed (e.g. a reset on that rank only)
+        with torch.no_grad():
+            layer.running_mean.zero_()
+    try:
+        sd = layer.global_state_dict()
+    except gpudist.MismatchError as e:
+        err = str(e)
+    else:
+        err = None
+    # the world stays usable: a following call and state dict work
+    layer.load_global_state_dict(torch.nn.BatchNorm2d(3, dtype=torch.float64).state_dict())
+    sd = layer.global_state_dict()
+    return err, sorted(sd)
+
+
+@pytest.mark.parametrize("edit", [False, True])
+def test_batchnorm_running_stats_changed_on_one_rank(cluster, edit):
+    """The copies of a channel block's running statistics are compared when the state dict
+    is gathered: changed on one rank only, a MismatchError names the ranks on every rank."""
+    res = cluster.run(4, _bn_running_edited_on_one_rank, edit)
+    for err, _keys in res:
+        if edit:
+            assert err is not None and "running statistics differ" in err \
+                and "3" in err.split("channel block 0:")[1], err
+        else:
+            assert err is None, err
+    assert res[0][1] == ["bias", "num_batches_tracked", "running_mean", "running_var",
+                         "weight"]
+
+
 def _bn_float32_large_mean():
     P = Partition.grid((2, 1, 1, 1))
     G = (torch.randn(8, 2, 5, 5, generator=torch.Generator().manual_seed(0)) * 0.1 + 300)

@@ -15,12 +15,14 @@ entries) take part with zero counts. Options as ``torch.nn.BatchNormNd``: ``eps`
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import PartitionError, ShapeError, raised_everywhere
+from ..errors import MismatchError, PartitionError, ShapeError, raised_everywhere
+from ..meta import OK, Row, exchange
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
 from ..primitives.base import first_order
@@ -152,7 +154,11 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 self.num_batches_tracked.copy_(sd["num_batches_tracked"])
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
-        """The sequential layer's state dict on the first worker, ``{}`` elsewhere."""
+        """The sequential layer's state dict on the first worker, ``{}`` elsewhere. Every
+        worker of ``P_x`` keeps its channel block's running statistics; the copies of one
+        block are compared first (a MismatchError on every rank where they differ)."""
+        if self.track_running_stats:
+            self._check_running_copies()
         out = super().global_state_dict()
         if self.track_running_stats:
             for k in ("running_mean", "running_var"):
@@ -162,6 +168,40 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             if self.root.active:
                 out["num_batches_tracked"] = self.num_batches_tracked.detach().clone()
         return out
+
+    def _check_running_copies(self) -> None:
+        """Collective over the world: the workers holding one channel block's running
+        statistics must hold the same values (they change alike on every worker unless a
+        program edits them on some ranks only)."""
+        w = self.world
+        if w.size == 1:
+            return
+        name = f"{type(self).__name__}.global_state_dict"
+        block = self.P_x.coords[1] if self.P_x.active else -1
+        digest = 0
+        if block >= 0:
+            h = hashlib.blake2b(digest_size=4)
+            for k in ("running_mean", "running_var", "num_batches_tracked"):
+                t = getattr(self, k).detach().cpu().reshape(-1).contiguous()
+                h.update(t.view(torch.uint8).numpy().tobytes())
+            digest = int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
+        group = self.world_group
+        rows = exchange(group, Row.make(name[-24:], OK, block + 1, None, "cpu", None, None,
+                                        digest), name)
+        copies: dict[int, dict[int, list[int]]] = {}
+        for r, x in zip(group.ranks, rows):
+            if x.config > 0:
+                copies.setdefault(x.config - 1, {}).setdefault(x.spec_hash, []).append(r)
+        bad = {j: list(d.values()) for j, d in copies.items() if len(d) > 1}
+        if bad:
+            detail = "; ".join(f"channel block {j}: ranks {' vs '.join(map(str, g))}"
+                               for j, g in sorted(bad.items()))
+            raise raised_everywhere(MismatchError(
+                f"{name}: the copies of the running statistics differ ({detail}); every "
+                f"worker of the input partition keeps a copy of its channel block's "
+                f"running_mean / running_var / num_batches_tracked, and they stay equal "
+                f"unless they are changed on some ranks only (load them with "
+                f"load_global_state_dict on every rank)"))
 
     def _running(self, k: str) -> torch.Tensor:
         """Collect a running statistic from the channel-block homes to the root."""
