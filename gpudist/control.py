@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -138,6 +139,31 @@ class Control:
         self.waits = 0  # waits that did not complete at once (for tests and benches)
         self.spin_s = float(os.environ.get("GPUDIST_SPIN_S", SPIN_S))
         self.nap_max_s = float(os.environ.get("GPUDIST_NAP_MAX_S", NAP_MAX_S))
+
+    # -- which peers still run ----------------------------------------------------------
+    def register_process(self) -> None:
+        """Publish this rank's host and process id (so that a peer seeing a connection
+        closed can tell which rank is gone)."""
+        if self.store is not None:
+            self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+
+    def gone(self) -> list[int]:
+        """The ranks on this host whose process no longer runs (exited, killed, a zombie);
+        ranks on other hosts are not known."""
+        out: list[int] = []
+        if self.store is None:
+            return out
+        host = socket.gethostname()
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            try:
+                where, pid = self.store.get(f"proc/{r}").decode().rsplit(" ", 1)
+            except Exception:  # noqa: BLE001 - unknown: not named
+                continue
+            if where == host and not _running(int(pid)):
+                out.append(r)
+        return out
 
     # -- the abort flag -----------------------------------------------------------------
     def abort(self, exc: BaseException, where: str = "") -> None:
@@ -364,8 +390,15 @@ class Control:
         if op is None or self.store is None:
             return msg
         lines = []
+        try:
+            gone = set(self.gone())
+        except Exception:  # noqa: BLE001 - the store may be gone too
+            gone = set()
         for r, st in self._peer_states(op.group).items():
-            if not st or st.get("idle"):
+            if r in gone:
+                lines.append(f"rank {r}: its process no longer runs (exited, crashed or "
+                             f"killed)")
+            elif not st or st.get("idle"):
                 lines.append(f"rank {r}: not waiting in any gpudist operator (busy, stuck "
                              f"outside gpudist, or gone)")
             elif tuple(st.get("group", ())) == op.group and st.get("seq") == op.seq:
@@ -382,3 +415,20 @@ def format_exception(exc: BaseException) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     at = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
     return f"{type(exc).__name__}: {exc}{at}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True

@@ -262,6 +262,7 @@ def init(
         control_store = (dist.PrefixStore("gpudist", store)
                          if launch.size > 1 and store is not None else None)
     control = Control(control_store, launch.rank, launch.size, timeout)
+    control.register_process()
     transport.control = control
     cache = int(os.environ.get("GPUDIST_PLAN_CACHE", "8"))
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,

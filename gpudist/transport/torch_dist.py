@@ -48,8 +48,15 @@ def _backend_error(e: BaseException, what: Label, control=None) -> BaseException
             return posted
     text = str(e)
     if "closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
-        return CommTimeout(f"{what}: a peer closed its connection (it exited, crashed or "
-                           f"aborted): {text.splitlines()[0][:300]}")
+        gone = []
+        if control is not None:
+            try:
+                gone = control.gone()
+            except Exception:  # noqa: BLE001 - the store may be gone too
+                pass
+        who = (f"rank(s) {gone} no longer run (exited, crashed or killed); "
+               if gone else "a peer closed its connection (it exited, crashed or aborted): ")
+        return CommTimeout(f"{what}: {who}{text.splitlines()[0][:300]}")
     return CommTimeout(f"{what} failed in the backend: {text.splitlines()[0][:300]}")
 
 
