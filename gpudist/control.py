@@ -157,8 +157,11 @@ class Control:
         for r in range(self.size):
             if r == self.rank:
                 continue
-            try:
-                where, pid = self.store.get(f"proc/{r}").decode().rsplit(" ", 1)
+            key = f"proc/{r}"
+            try:  # (get waits for a key not yet set: checked first)
+                if not self.store.check([key]):
+                    continue
+                where, pid = self.store.get(key).decode().rsplit(" ", 1)
             except Exception:  # noqa: BLE001 - unknown: not named
                 continue
             if where == host and not _running(int(pid)):
