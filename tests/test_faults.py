@@ -382,6 +382,70 @@ def test_per_rank_checkpoint_refuses_another_layout(cluster, tmp_path):
     assert any(e.type == "ShapeError" for e in errs), errs
 
 
+def _checkpoint_other_layout(case):
+    """A per-rank checkpoint into another layout (fuzz-found, each loaded silently or on
+    some ranks only before): ``bn`` batch norm with the same parameter homes but another
+    input partition (its running statistics follow P_x); ``zero`` a ZeRO layer whose fibre
+    heads and this rank's chunk agree on one rank only; ``partial`` a refused load that had
+    copied the blocks whose shapes happened to fit."""
+    if case == "bn":
+        A = gnn.DistributedBatchNorm(Partition([0, 1, 2, 3], (2, 2, 1)), 4)
+        B = gnn.DistributedBatchNorm(Partition([0, 1, 3, 2], (2, 2, 1)), 4)
+        with torch.no_grad():
+            A.running_mean.add_(torch.arange(A.running_mean.numel()) + 10.0 * gpudist.world().rank)
+    elif case == "zero":
+        A = gnn.DistributedRMSNormZero(Partition([2, 0, 1, 3], (4, 1, 1)), 4)
+        B = gnn.DistributedRMSNormZero(Partition([2, 1, 0, 3], (1, 4, 1)), 4)
+    else:
+        A = gnn.DistributedBatchNorm(Partition([0, 1, 2, 3], (1, 4, 1)), 4)
+        B = gnn.DistributedBatchNorm(Partition([1, 0, 3, 2], (1, 4, 1)), 4)
+        with torch.no_grad():
+            for t in (A.weight, A.bias, A.running_mean):
+                if t is not None:
+                    t.fill_(7.0)
+    before = {k: v.clone() for k, v in B.state_dict().items() if isinstance(v, torch.Tensor)}
+    try:
+        B.load_state_dict(A.state_dict())
+        err = None
+    except gpudist.ShapeError as e:
+        err = str(e)
+    after = B.state_dict()
+    changed = [k for k, v in before.items() if not torch.equal(v, after[k])]
+    return err, changed
+
+
+@pytest.mark.parametrize("case", ["bn", "zero", "partial"])
+def test_per_rank_checkpoint_of_another_layout_refused_everywhere(cluster, case):
+    res = cluster.run(4, _checkpoint_other_layout, case)
+    for err, changed in res:
+        assert err is not None and "saved by rank" in err and "differs in" in err, res
+        assert changed == [], res  # nothing loaded from the refused checkpoint
+
+
+def _bn_global_dict_lacks_running(case):
+    bn = gnn.DistributedBatchNorm(Partition([0, 1], (1, 2, 1)), 4, dtype=torch.float64)
+    sd = torch.nn.BatchNorm1d(4, dtype=torch.float64).state_dict()
+    if case == "missing":
+        del sd["running_mean"], sd["running_var"]
+    else:
+        sd["running_mean"] = torch.tensor([3.0], dtype=torch.float64)
+    try:
+        bn.load_global_state_dict(sd)
+    except gpudist.ShapeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", ["missing", "shape"])
+def test_batchnorm_global_dict_checks_running_statistics(cluster, case):
+    """A sequential state dict without running statistics, or with one of another length,
+    is refused on every rank (it was accepted, or broadcast on one rank and torch's raw
+    error on the other)."""
+    errs = cluster.run(2, _bn_global_dict_lacks_running, case)
+    word = "missing" if case == "missing" else "of another shape"
+    assert all(e is not None and word in e and "running_mean" in e for e in errs), errs
+
+
 def _bf16_sum():
     P = Partition.grid((3,))
     y = AllSumReduce(P, [0])(torch.full((5,), 1.5, dtype=torch.bfloat16))

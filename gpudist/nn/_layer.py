@@ -386,9 +386,13 @@ class ShardedParameters:
         know (``strict=False``: missing and unknown keys allowed, as torch's)."""
         name = f"{type(self).__name__}.load_global_state_dict"
         mine = [k for k, _ in self.homes.items() if getattr(self, k, None) is not None]
-        missing = [k for k in mine if k not in sd]
-        unknown = [k for k in sd if k not in self.homes and k not in self.extra_state_keys]
-        shapes = [k for k in mine if k in sd and tuple(sd[k].shape) != tuple(self.homes[k][1])]
+        entries = self._global_entries()
+        missing = [k for k in entries if k not in sd]
+        unknown = [k for k in sd if k not in entries and k not in self.homes
+                   and k not in self.extra_state_keys]
+        shapes = [k for k, shape in entries.items()
+                  if k in sd and (not isinstance(sd[k], torch.Tensor)
+                                  or tuple(sd[k].shape) != tuple(shape))]
         wrong = shapes + (missing + unknown if strict else [])
         digest = stable_hash(tuple(
             (k, tuple(v.shape), float(v.detach().double().sum()),
@@ -407,7 +411,7 @@ class ShardedParameters:
             raise raised_everywhere(ShapeError(
                 f"{name}: the state dict does not fit the layer on rank(s) {bad}"
                 + (f" (here: {here})" if here else "") + f"; the layer's entries "
-                f"{ {k: self.homes[k][1] for k in mine} }; every rank passes the whole "
+                f"{entries}; every rank passes the whole "
                 f"sequential state dict (global_state_dict() returns it on the root only)"))
         if len({x.spec_hash for x in rows}) > 1:
             raise raised_everywhere(MismatchError(
@@ -418,6 +422,12 @@ class ShardedParameters:
                 if k in sd:
                     p = getattr(self, k)
                     p.data = self._cut(k, sd[k]).to(p)
+
+    def _global_entries(self) -> dict[str, tuple[int, ...]]:
+        """The sequential layer's state dict entries this layer holds, with their global
+        shapes (a subclass adds what it loads itself, e.g. running statistics)."""
+        return {k: tuple(shape) for k, (_, shape) in self.homes.items()
+                if getattr(self, k, None) is not None}
 
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of the global parameter ``t``."""
@@ -455,23 +465,40 @@ class ShardedParameters:
 
     # -- per-rank checkpoints carry their layout ------------------------------------------
     def layout(self) -> dict:
+        """What a per-rank checkpoint's blocks depend on: this rank, the world size, the
+        layer's input partition (e.g. batch norm's running statistics follow it) and where
+        each parameter's blocks live."""
         w = self.root.world
-        return {"rank": w.rank, "world_size": w.size,
-                "blocks": {k: (list(P.ranks), list(P.shape), list(shape))
+        P_in = getattr(self, "P_in", None)
+        return {"rank": w.rank, "world_size": w.size, "layer": type(self).__name__,
+                "input": [list(P_in.ranks), list(P_in.shape)] if P_in is not None else None,
+                "blocks": {k: [list(P.ranks), list(P.shape), list(shape)]
                            for k, (P, shape) in self.homes.items()}}
 
     def get_extra_state(self) -> dict:
         return {"gpudist_layout": self.layout()}
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # the layout is checked before torch copies any tensor (a refused checkpoint must
+        # not leave the blocks it could copy loaded)
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            self.set_extra_state(extra)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
     def set_extra_state(self, state) -> None:
-        saved = (state or {}).get("gpudist_layout")
+        saved = (state or {}).get("gpudist_layout") if isinstance(state, dict) else None
         mine = self.layout()
         if saved is not None and saved != mine:
-            diff = [k for k in ("rank", "world_size", "blocks") if saved.get(k) != mine[k]]
+            diff = [k for k in mine if saved.get(k) != mine[k]]
+            what = "; ".join(f"{k}: saved {saved.get(k)}, here {mine[k]}"
+                             for k in diff if k not in ("rank", "world_size"))
             raise ShapeError(
                 f"{type(self).__name__}: this per-rank state dict was saved by rank "
-                f"{saved.get('rank')} of {saved.get('world_size')} with parameter blocks "
-                f"{saved.get('blocks')}; here it is rank {mine['rank']} of "
-                f"{mine['world_size']} with {mine['blocks']} (differs in: {', '.join(diff)}). "
-                f"Per-rank checkpoints load only into the same layout; use "
-                f"global_state_dict() / load_global_state_dict() to move between layouts")
+                f"{saved.get('rank')} of {saved.get('world_size')}; here it is rank "
+                f"{mine['rank']} of {mine['world_size']} (differs in: {', '.join(diff)}"
+                + (f"; {what}" if what else "") + "). Per-rank checkpoints load only into "
+                "the same layout; use global_state_dict() / load_global_state_dict() to "
+                "move between layouts")

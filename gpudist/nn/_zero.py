@@ -34,6 +34,7 @@ class ZeroShards:
 
     def __init__(self, P: Partition, split: dict[int, int], shape: Sequence[int]) -> None:
         self.P, self.shape = P, tuple(int(s) for s in shape)
+        self.split = dict(split)
         model = sorted(split)
         assert [split[a] for a in model] == sorted(split.values()), split
         replica = [a for a in range(P.dim) if a not in split]
@@ -141,6 +142,8 @@ class ZeroParameters(ShardedParameters):
 
     def layout(self) -> dict:
         out = super().layout()
-        out["zero"] = {k: {"fibre_workers": z.A, "chunk": z.r, "range": [z.lo, z.hi]}
+        out["zero"] = {k: {"partition": [list(z.P.ranks), list(z.P.shape)],
+                           "split": [[a, d] for a, d in sorted(z.split.items())],
+                           "fibre_workers": z.A, "chunk": z.r, "range": [z.lo, z.hi]}
                        for k, z in self.shards.items()}
         return out

@@ -153,6 +153,13 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             if "num_batches_tracked" in sd:
                 self.num_batches_tracked.copy_(sd["num_batches_tracked"])
 
+    def _global_entries(self) -> dict[str, tuple[int, ...]]:
+        out = super()._global_entries()
+        if self.track_running_stats:
+            c = self.num_features
+            out.update({"running_mean": (c,), "running_var": (c,), "num_batches_tracked": ()})
+        return out
+
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The sequential layer's state dict on the first worker, ``{}`` elsewhere. Every
         worker of ``P_x`` keeps its channel block's running statistics; the copies of one
