@@ -947,6 +947,42 @@ def test_loss_target_wrong_at_first_call_is_raised_everywhere(cluster, where):
     assert [v for _, v in out] == [0.0, 0.0], out
 
 
+def _loss_on_some_ranks(case):
+    """A loss over ranks 0, 1 of a 4-rank world, a bad target at its first call: the ranks
+    outside the loss raise the same error (peer-found: they returned, the members raised);
+    then a right call works everywhere."""
+    P = Partition([0, 1], (2, 1))
+    x = _dist(P, (6, 3)) if P.active else DistTensor.from_local(
+        torch.zeros(0, 0, dtype=torch.float64), P, (6, 3))
+    L = gnn.DistributedLoss(P, "mse")
+    C = gnn.DistributedLoss(P, "cross_entropy", ignore_index=0)
+    blk = x.local.clone()
+    if case == "shape":  # a member's block of the wrong shape
+        t = blk[:2] if P.active else blk
+    elif case == "outsider":  # an outsider passing a target that holds data
+        t = blk if P.active else torch.zeros(3, 3, dtype=torch.float64)
+    else:  # class probabilities with ignore_index (torch refuses)
+        t, L = blk.softmax(1), C
+    try:
+        L(x, t)
+        err = "no error"
+    except Exception as e:
+        err = f"{type(e).__name__}: {e}"
+    return err, float(gnn.DistributedLoss(P, "mse")(x, x.local.clone()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["shape", "outsider", "float_ignore"])
+def test_loss_on_some_ranks_reports_a_bad_target_everywhere(cluster, case, backend):
+    out = cluster.run(4, _loss_on_some_ranks, case, backend=backend)
+    assert all(e.startswith("ShapeError") and "target on rank(s) " in e for e, _ in out), out
+    bad = "[2, 3]" if case == "outsider" else "[0, 1]"
+    assert all(bad in e for e, _ in out), out
+    if case == "float_ignore":
+        assert "ignore_index is not supported" in out[0][0], out
+    assert [v for _, v in out] == [0.0] * 4, out
+
+
 def _double_backward(kind):
     """A gradient penalty (create_graph=True) through gpudist's hand-written adjoints:
     their second derivative is not implemented, so torch's own error, never a wrong

@@ -60,6 +60,11 @@ class DistributedModule(torch.nn.Module):
     """Base of the layers (see the module docstring). Subclasses implement
     ``make_plan(spec) -> plan with .out`` and ``run(local, plan) -> local``."""
 
+    #: whether a checked call includes the ranks outside the layer (they then see what
+    #: the check finds too): for inputs beside the tensor that only a rank itself can
+    #: check (a loss's target)
+    check_outsiders = False
+
     def setup(self, P_in: Partition, participants: Sequence[int]) -> None:
         self.P_in = P_in
         self.world = P_in.world
@@ -303,10 +308,14 @@ class DistributedModule(torch.nn.Module):
             reshaped = self._reshaped_parameters(kinds)
             if reshaped is not None:  # reported as a bad block would be
                 local_ok, bad_text = False, reshaped
-            if self.world.rank in self.participants:
+            member = self.world.rank in self.participants
+            if member or self.check_outsiders:
                 config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
-                verify(self._group, self.name, config, spec, local_ok, grad=grad,
-                       bad_text=bad_text)
+                outsiders = self.check_outsiders and len(self.participants) < self.world.size
+                # (outsiders record nothing the members' adjoints need: their grad state
+                # is not compared)
+                verify(self.world_group if outsiders else self._group, self.name, config,
+                       spec, local_ok, grad=grad if member else None, bad_text=bad_text)
             elif reshaped is not None:
                 raise ShapeError(reshaped.format(ranks=[self.world.rank]))
             self.__dict__["_last"] = (spec, grad, kinds)

@@ -53,6 +53,8 @@ class DistributedLoss(DistributedModule):
     ``label_smoothing``, ``log_target``, ``log_input``, ``full``, ``beta``, ``delta``...);
     tensor options are cut to this worker's block where they span a split dimension."""
 
+    check_outsiders = True  # a wrong target is reported to every rank at a checked call
+
     def __init__(self, P_x: Partition, loss: str | Callable = "mse", reduction: str = "mean",
                  **options) -> None:
         super().__init__()
@@ -80,11 +82,13 @@ class DistributedLoss(DistributedModule):
         self.root = Partition([P_x.ranks[0]], (1,) * P_x.dim, P_x.world)
         self.setup(P_x, P_x.ranks)
         self.total = SumReduce(P_x, self.root)
-        # what the check across ranks says of wrong targets ({ranks} filled in there)
+        # what the check across ranks says of wrong targets ({ranks} filled in there;
+        # each rank adds what is wrong with its own)
         self._bad_target = (
-            f"{self.name}: the target on rank(s) {{ranks}} is not that rank's block of a "
-            f"tensor over the input's partition (the input block's shape; class indices "
-            f"without the class dim); broadcasting a target is not supported")
+            f"{self.name}: the target on rank(s) {{ranks}} does not fit: it must be that "
+            f"rank's block of a tensor over the input's partition (the input block's shape; "
+            f"class indices without the class dim; an empty one on ranks outside the "
+            f"input's partition); broadcasting a target is not supported")
 
     def extra_repr(self) -> str:
         fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -119,11 +123,13 @@ class DistributedLoss(DistributedModule):
             dist_in, local, spec = self.take(x)
             t = target.local if isinstance(target, DistTensor) else target
             problem = self._target_problem(target, t, spec)
-            plan = self.plan(spec, local, problem is None, self._bad_target)
-            if (self.classwise and self.options.get("ignore_index", -100) >= 0
-                    and t is not None and t.is_floating_point()):  # as torch, on every rank
-                raise raised_everywhere(ValueError(
-                    f"{self.name}: ignore_index is not supported for floating point target"))
+            try:
+                plan = self.plan(spec, local, problem is None, self._bad_target)
+            except ShapeError as e:
+                if problem is None or not str(e).startswith(
+                        self._bad_target.split("{ranks}")[0]):
+                    raise
+                raise raised_everywhere(ShapeError(f"{e} (here: {problem})")) from None
             local = spec.adopt(local)
             spec.check_local(local, self.name)
             if problem is not None:  # (the check across ranks did not run: a repeated spec)
@@ -170,9 +176,19 @@ class DistributedLoss(DistributedModule):
                         f"{P.shape} of ranks {list(P.ranks)} takes targets over {shape} of "
                         f"those ranks")
         block = spec.local_shape
-        if (not self.named or not self.P_x.active or not isinstance(t, torch.Tensor)
-                or math.prod(block) == 0):
-            return None  # inactive ranks may pass anything (their blocks hold nothing)
+        if not isinstance(t, torch.Tensor):
+            return None
+        if not self.P_x.active:
+            if t.numel():  # as an input block holding data outside its operator
+                return (f"{self.name}: rank {spec.partition.world.rank} is outside the "
+                        f"input's partition but passes a target holding {t.numel()} "
+                        f"entries (pass an empty one)")
+            return None
+        if (self.classwise and self.options.get("ignore_index", -100) >= 0 and t.numel()
+                and t.is_floating_point()):  # torch's ValueError (ShapeError is one)
+            return f"{self.name}: ignore_index is not supported for floating point target"
+        if not self.named or math.prod(block) == 0:
+            return None  # empty blocks may come with any target (they hold nothing)
         want = block
         if self.classwise and not t.dtype.is_floating_point:
             want = want[:1] + want[2:]  # class indices: no class dim
