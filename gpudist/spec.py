@@ -220,7 +220,11 @@ _UNARY = {
     torch.Tensor.abs, torch.Tensor.neg, torch.Tensor.clamp, torch.Tensor.square,
     torch.Tensor.sqrt, torch.Tensor.relu_, torch.Tensor.float, torch.Tensor.double,
     torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.contiguous, torch.Tensor.clone,
-    torch.clone,
+    torch.clone, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.rsqrt,
+    torch.reciprocal, torch.log1p, torch.expm1, torch.erf, torch.isnan, torch.isfinite,
+    torch.logical_not, torch.Tensor.sign, torch.Tensor.floor, torch.Tensor.ceil,
+    torch.Tensor.round, torch.Tensor.rsqrt, torch.Tensor.reciprocal, torch.Tensor.log,
+    torch.Tensor.logical_not, torch.Tensor.__abs__, torch.Tensor.__invert__,
 }
 _BINARY = {
     torch.add, torch.sub, torch.mul, torch.div, torch.maximum, torch.minimum,
@@ -228,8 +232,14 @@ _BINARY = {
     torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
     torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__,
     torch.Tensor.__rtruediv__, torch.Tensor.add_, torch.Tensor.mul_, torch.Tensor.sub_,
-    torch.Tensor.div_,
-}
+    torch.Tensor.div_, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__,
+    torch.Tensor.__rpow__, torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
+    torch.Tensor.gt, torch.Tensor.lt, torch.Tensor.ge, torch.Tensor.le, torch.Tensor.eq,
+    torch.Tensor.ne, torch.Tensor.__gt__, torch.Tensor.__lt__, torch.Tensor.__ge__,
+    torch.Tensor.__le__, torch.where, torch.logical_and, torch.logical_or,
+    torch.Tensor.logical_and, torch.Tensor.logical_or, torch.Tensor.__and__,
+    torch.Tensor.__or__,
+}  # (and torch.where's three operands: every DistTensor among them laid out alike)
 
 
 # on summands (PARTIAL: the tensor is the sum of the blocks) only linear maps are exact
@@ -458,6 +468,43 @@ class DistTensor:
         if callable(f):
             raise AttributeError(_unsupported(f"has no .{name}()"))
         raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+
+    def __pow__(self, o):
+        return self._binary(torch.Tensor.__pow__, o)
+
+    def __rpow__(self, o):
+        return self._binary(torch.Tensor.__rpow__, o)
+
+    def __gt__(self, o):
+        return self._binary(torch.Tensor.__gt__, o)
+
+    def __lt__(self, o):
+        return self._binary(torch.Tensor.__lt__, o)
+
+    def __ge__(self, o):
+        return self._binary(torch.Tensor.__ge__, o)
+
+    def __le__(self, o):
+        return self._binary(torch.Tensor.__le__, o)
+
+    def __and__(self, o):
+        return self._binary(torch.Tensor.__and__, o)
+
+    def __or__(self, o):
+        return self._binary(torch.Tensor.__or__, o)
+
+    # (== and != stay identity comparisons, as for objects: use torch.eq / torch.ne)
+
+    def __abs__(self):
+        return DistTensor.__torch_function__(torch.abs, (DistTensor,), (self,))
+
+    def __invert__(self):
+        return DistTensor.__torch_function__(torch.Tensor.__invert__, (DistTensor,), (self,))
+
+    def __matmul__(self, o):
+        raise raised_everywhere(TypeError(_unsupported("does not support @ (matmul)")))
+
+    __rmatmul__ = __matmul__
 
     def __neg__(self):
         return DistTensor.__torch_function__(torch.neg, (DistTensor,), (self,))

@@ -1050,6 +1050,27 @@ def _pointwise():
     out["methods"] = [split.double().dtype == torch.float64,
                       (2 / (split + 1)).local.tolist() == (2 / (split.local + 1)).tolist(),
                       torch.equal(split.clamp(1, 2).local, split.local.clamp(1, 2))]
+    # powers, comparisons, where, abs, logical ops (peer-found: refused as "would depend
+    # on how the tensor is partitioned", or Python's bare TypeError for the operators)
+    a = split.local
+    out["more"] = [torch.equal(torch.pow(split, 2).local, a ** 2),
+                   torch.equal((split ** 2).local, a ** 2),
+                   torch.equal((2 ** split).local, 2 ** a),
+                   torch.equal(torch.gt(split, 1).local, a > 1),
+                   torch.equal((split > 1).local, a > 1), torch.equal((split <= 1).local, a <= 1),
+                   torch.equal(torch.where(split > 1, split, -split).local,
+                               torch.where(a > 1, a, -a)),
+                   torch.equal(abs(-split).local, a.abs()),
+                   torch.equal(((split > 0) & (split < 3)).local, (a > 0) & (a < 3)),
+                   torch.equal((~(split > 1)).local, ~(a > 1)),
+                   isinstance(split > 1, DistTensor)]
+    for name, f in (("matmul", lambda: split @ split), ("pow_summands", lambda: summands ** 2),
+                    ("gt_summands", lambda: summands > 0)):
+        try:
+            f()
+            out[name] = "no error"
+        except TypeError as e:
+            out[name] = str(e)
     try:
         split.sum()
         out["sum"] = "no error"
@@ -1072,6 +1093,9 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
         assert o["exact"] == [7.0] * 4, o
         assert o["methods"] == [True, True, True], o
         assert "has no .sum()" in o["sum"] and "x.local" in o["sum"], o
+        assert o["more"] == [True] * 11, o
+        assert "does not support @" in o["matmul"], o
+        assert "summands" in o["pow_summands"] and "summands" in o["gt_summands"], o
 
 
 def _flatten_placements():
