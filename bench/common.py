@@ -38,8 +38,16 @@ MiB = 1024 * 1024
 
 
 # --------------------------------------------------------------------------- CLI helpers
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
-    p.add_argument("--ranks", "-n", type=int, default=ranks,
+    p.add_argument("--ranks", "-n", type=positive_int, default=ranks,
                    help="number of ranks (default %(default)s)")
     p.add_argument("--backend", choices=["gloo", "mpi", "nccl"], default="gloo")
     p.add_argument("--launcher", choices=["fork", "mpi", "env"], default=None,
@@ -47,7 +55,7 @@ def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
                         "env (already started by torchrun/mpiexec/srun)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (nccl implies cuda)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=positive_int, default=15)
     p.add_argument("--out", default="results", help="output folder (default %(default)s)")
     p.add_argument("--tag", default="", help="suffix for the output file names")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .common import positive_int
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
 
@@ -46,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", type=int, nargs="+", default=[1, 3])
     p.add_argument("--impls", nargs="+", default=None,
                    help="packers to time (default: all available on the device)")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=positive_int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--min-sample-ms", type=float, default=2.0)
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")
