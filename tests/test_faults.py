@@ -427,6 +427,9 @@ def _bn_global_dict_lacks_running(case):
     sd = torch.nn.BatchNorm1d(4, dtype=torch.float64).state_dict()
     if case == "missing":
         del sd["running_mean"], sd["running_var"]
+    elif case == "untracked":  # torch's layer without running statistics refuses them
+        bn = gnn.DistributedBatchNorm(Partition([0, 1], (1, 2, 1)), 4, dtype=torch.float64,
+                                      track_running_stats=False)
     else:
         sd["running_mean"] = torch.tensor([3.0], dtype=torch.float64)
     try:
@@ -436,13 +439,13 @@ def _bn_global_dict_lacks_running(case):
     return None
 
 
-@pytest.mark.parametrize("case", ["missing", "shape"])
+@pytest.mark.parametrize("case", ["missing", "shape", "untracked"])
 def test_batchnorm_global_dict_checks_running_statistics(cluster, case):
     """A sequential state dict without running statistics, or with one of another length,
-    is refused on every rank (it was accepted, or broadcast on one rank and torch's raw
-    error on the other)."""
+    or with them for a layer that keeps none, is refused on every rank (it was accepted,
+    or broadcast on one rank and torch's raw error on the other)."""
     errs = cluster.run(2, _bn_global_dict_lacks_running, case)
-    word = "missing" if case == "missing" else "of another shape"
+    word = {"missing": "missing", "shape": "of another shape", "untracked": "unknown"}[case]
     assert all(e is not None and word in e and "running_mean" in e for e in errs), errs
 
 

@@ -374,8 +374,6 @@ class ShardedParameters:
 
     homes: dict[str, tuple[Partition, tuple[int, ...]]]
     root: Partition
-    #: keys of the sequential state dict a subclass loads itself (e.g. running statistics)
-    extra_state_keys: tuple[str, ...] = ()
 
     def _collectors(self) -> dict[str, Repartition]:
         c = getattr(self, "_collect", None)
@@ -397,8 +395,7 @@ class ShardedParameters:
         mine = [k for k, _ in self.homes.items() if getattr(self, k, None) is not None]
         entries = self._global_entries()
         missing = [k for k in entries if k not in sd]
-        unknown = [k for k in sd if k not in entries and k not in self.homes
-                   and k not in self.extra_state_keys]
+        unknown = [k for k in sd if k not in entries and k not in self.homes]
         shapes = [k for k, shape in entries.items()
                   if k in sd and (not isinstance(sd[k], torch.Tensor)
                                   or tuple(sd[k].shape) != tuple(shape))]

@@ -43,7 +43,6 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
     """BatchNorm over dims (0, 2, 3, ...) of a tensor partitioned by ``P_x``."""
 
     same_dtype_as_parameters = "half"  # torch's batch norm takes half inputs, float32 stats
-    extra_state_keys = ("running_mean", "running_var", "num_batches_tracked")
 
     def __init__(self, P_x: Partition, num_features: int, eps: float = 1e-5,
                  momentum: float | None = 0.1, affine: bool = True,
