@@ -44,11 +44,13 @@ def _combine(parts: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None
+                    ) -> torch.Tensor:
     """Scale the gradients of ``module``'s parameters so that the whole model's gradient
     norm is at most ``max_norm``; returns that norm (before clipping, float64, the same on
     every rank). Collective: every rank calls it, with the same ``max_norm`` and
-    ``norm_type`` (checked).
+    ``norm_type`` (checked). ``foreach`` is accepted as torch's (the sums are per tensor
+    here either way).
 
     The parameters of gpudist's layers are blocks: each element lives on one rank, and
     the ranks' parts add up. Any other parameter (a plain torch layer's) is taken as
