@@ -110,29 +110,39 @@ def _bn_running_edited_on_one_rank(edit: bool):
     if edit and P.index == 3:  # one rank's copy changed (e.g. a reset on that rank only)
         with torch.no_grad():
             layer.running_mean.zero_()
-    try:
-        sd = layer.global_state_dict()
-    except gpudist.MismatchError as e:
-        err = str(e)
-    else:
-        err = None
+    errs = []
+    for step in ("eval forward", "state dict"):
+        try:
+            if step == "eval forward":  # the first call normalising with them checks
+                layer.eval()
+                layer(block_of(G, P))
+                layer(block_of(G, P))  # (once: not again while nothing trained)
+            else:
+                layer.global_state_dict()
+        except gpudist.MismatchError as e:
+            errs.append(str(e))
     # the world stays usable: a following call and state dict work
     layer.load_global_state_dict(torch.nn.BatchNorm2d(3, dtype=torch.float64).state_dict())
+    layer(block_of(G, P))
     sd = layer.global_state_dict()
-    return err, sorted(sd)
+    return errs, sorted(sd)
 
 
 @pytest.mark.parametrize("edit", [False, True])
 def test_batchnorm_running_stats_changed_on_one_rank(cluster, edit):
-    """The copies of a channel block's running statistics are compared when the state dict
-    is gathered: changed on one rank only, a MismatchError names the ranks on every rank."""
+    """The copies of a channel block's running statistics are compared at the first call
+    that normalises with them and when the state dict is gathered: changed on one rank
+    only, a MismatchError names the ranks on every rank."""
     res = cluster.run(4, _bn_running_edited_on_one_rank, edit)
-    for err, _keys in res:
+    for errs, _keys in res:
         if edit:
-            assert err is not None and "running statistics differ" in err \
-                and "3" in err.split("channel block 0:")[1], err
+            assert len(errs) == 2, errs
+            for err in errs:
+                assert "running statistics differ" in err \
+                    and "3" in err.split("channel block 0:")[1], err
+            assert "eval mode" in errs[0] and "global_state_dict" in errs[1], errs
         else:
-            assert err is None, err
+            assert errs == [], errs
     assert res[0][1] == ["bias", "num_batches_tracked", "running_mean", "running_var",
                          "weight"]
 

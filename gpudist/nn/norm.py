@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MismatchError, PartitionError, ShapeError, raised_everywhere
-from ..meta import OK, Row, exchange
+from ..meta import OK, Row, exchange, same_program
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
 from ..primitives.base import first_order
@@ -118,6 +118,13 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             raise raised_everywhere(ValueError(
                 f"Expected more than 1 value per channel when training, got input size "
                 f"{list(plan.out.global_shape)}"))
+        # the first call normalising with the running statistics after training (or after
+        # a load) compares their copies first (every rank calls this: the flag is alike)
+        if self.training or not self.track_running_stats:
+            self.__dict__["_copies_checked"] = False
+        elif not self.__dict__.get("_copies_checked"):
+            self._check_running_copies(f"{type(self).__name__} in eval mode")
+            self.__dict__["_copies_checked"] = True
 
     def run(self, x: torch.Tensor, plan: _NormPlan) -> torch.Tensor:
         w = self.params.apply(self.weight, plan.params) if self.params is not None else None
@@ -142,6 +149,7 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                                ) -> None:
         """Take a sequential ``torch.nn.BatchNormNd`` state dict (every rank passes it)."""
         super().load_global_state_dict(sd, strict)
+        self.__dict__["_copies_checked"] = False
         if not self.track_running_stats:
             return
         c0, c1 = _channel_range(self.num_features, self.P_x)
@@ -164,7 +172,7 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         worker of ``P_x`` keeps its channel block's running statistics; the copies of one
         block are compared first (a MismatchError on every rank where they differ)."""
         if self.track_running_stats:
-            self._check_running_copies()
+            self._check_running_copies(f"{type(self).__name__}.global_state_dict")
         out = super().global_state_dict()
         if self.track_running_stats:
             for k in ("running_mean", "running_var"):
@@ -175,14 +183,13 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 out["num_batches_tracked"] = self.num_batches_tracked.detach().clone()
         return out
 
-    def _check_running_copies(self) -> None:
+    def _check_running_copies(self, name: str) -> None:
         """Collective over the world: the workers holding one channel block's running
         statistics must hold the same values (they change alike on every worker unless a
         program edits them on some ranks only)."""
         w = self.world
         if w.size == 1:
             return
-        name = f"{type(self).__name__}.global_state_dict"
         block = self.P_x.coords[1] if self.P_x.active else -1
         digest = 0
         if block >= 0:
@@ -192,12 +199,13 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 h.update(t.view(torch.uint8).numpy().tobytes())
             digest = int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
         group = self.world_group
-        rows = exchange(group, Row.make(name[-24:], OK, block + 1, None, "cpu", None, None,
-                                        digest), name)
+        rows = exchange(group, Row.make(name[-24:], OK, self._uid, None, "cpu", [block + 1],
+                                        None, digest), name)
+        same_program(rows, group.ranks, name)  # every rank at this layer's same check
         copies: dict[int, dict[int, list[int]]] = {}
         for r, x in zip(group.ranks, rows):
-            if x.config > 0:
-                copies.setdefault(x.config - 1, {}).setdefault(x.spec_hash, []).append(r)
+            if x.local[0] > 0:
+                copies.setdefault(x.local[0] - 1, {}).setdefault(x.spec_hash, []).append(r)
         bad = {j: list(d.values()) for j, d in copies.items() if len(d) > 1}
         if bad:
             detail = "; ".join(f"channel block {j}: ranks {' vs '.join(map(str, g))}"
