@@ -2,7 +2,8 @@
 tests/test_faults.py: ``python fault_script.py CASE --backend gloo|mpi``.
 
 Cases: ``raise`` (rank 1 raises an uncaught exception between two layers), ``exit``
-(rank 1 calls ``os._exit(3)``), ``quit`` (rank 1 returns without ``gpudist.finalize()``
+(rank 1 calls ``os._exit(3)``), ``exitbwd`` (the same in backward, its peers in batch
+norm's backward), ``quit`` (rank 1 returns without ``gpudist.finalize()``
 while its peers go on), ``mismatch`` (rank 1 runs another collective than its peers'),
 ``ckpt`` (every rank saves its per-rank checkpoint, rank 1's file
 is truncated, every rank loads its own: rank 1 fails in ``torch.load``, outside gpudist).
@@ -33,7 +34,7 @@ _DEAD: list = []
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=["raise", "exit", "quit", "ckpt", "mismatch"])
+    p.add_argument("case", choices=["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch"])
     p.add_argument("--dir", default=".")
     p.add_argument("--backend", default="gloo")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -72,6 +73,17 @@ def main() -> int:
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) // 2)
         conv.load_state_dict(torch.load(path))
+    if a.case == "exitbwd":  # rank 1 vanishes in backward, while its peers are in batch
+        # norm's hand-written backward (its reductions): they name rank 1
+        bn = gnn.DistributedBatchNorm(P, 2)
+        z = bn(conv(y))
+        if w.rank == 1:
+            z.local.register_hook(lambda g: os._exit(3))
+        try:  # a program catching the error and leaving (no excepthook posts it)
+            z.local.sum().backward()
+        except gpudist.GpudistError as e:
+            print(f"RESULT {w.rank} caught {type(e).__name__}: {e}", flush=True)
+            sys.exit(1)
     if w.rank == 1:
         if a.case == "raise":
             raise ValueError("rank 1 gave up on purpose")

@@ -303,18 +303,25 @@ class DistributedModule(torch.nn.Module):
         across ranks then reports on every rank."""
         last, kinds = self._last, self._param_kinds()
         grad = self.grad_state(local, kinds) if local is not None else None
-        if (last is None or last[1] != grad or last[2] != kinds
-                or (last[0] is not spec and last[0] != spec)):
+        member = self.world.rank in self.participants
+        outsiders = self.check_outsiders and len(self.participants) < self.world.size
+        if outsiders and not member:
+            grad = None  # (what an outsider records is nobody's concern: not a trigger)
+        new_spec = last is None or last[2] != kinds or (last[0] is not spec and last[0] != spec)
+        self.__dict__["_checked_world"] = False
+        if new_spec or last[1] != grad:
             reshaped = self._reshaped_parameters(kinds)
             if reshaped is not None:  # reported as a bad block would be
                 local_ok, bad_text = False, reshaped
-            member = self.world.rank in self.participants
-            if member or self.check_outsiders:
+            # a layer that checks its outsiders does so where every rank sees a change (a
+            # spec, an option); a change of the members' grad state alone the members check
+            world_wide = outsiders and new_spec
+            if member or world_wide:
                 config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
-                outsiders = self.check_outsiders and len(self.participants) < self.world.size
+                self.__dict__["_checked_world"] = world_wide
                 # (outsiders record nothing the members' adjoints need: their grad state
                 # is not compared)
-                verify(self.world_group if outsiders else self._group, self.name, config,
+                verify(self.world_group if world_wide else self._group, self.name, config,
                        spec, local_ok, grad=grad if member else None, bad_text=bad_text)
             elif reshaped is not None:
                 raise ShapeError(reshaped.format(ranks=[self.world.rank]))

@@ -27,7 +27,7 @@ import torch
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, slices
 from ..primitives import Plan
-from ..primitives.base import first_order
+from ..primitives.base import layer_adjoint
 
 _CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d,
          3: torch.nn.functional.conv3d}
@@ -162,7 +162,7 @@ class _StripConv(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order  # a double backward raises torch's clear error, never a wrong one
+    @layer_adjoint  # double backward: torch's clear error; failures posted to the world
     def backward(ctx, gy):  # type: ignore[override]
         x, w, *strips = ctx.saved_tensors
         H, plan, sp, (stride, dilation, groups), has_b = ctx.setup

@@ -126,17 +126,21 @@ class DistributedLoss(DistributedModule):
             try:
                 plan = self.plan(spec, local, problem is None, self._bad_target)
             except ShapeError as e:
-                if problem is None or not str(e).startswith(
-                        self._bad_target.split("{ranks}")[0]):
+                if not str(e).startswith(self._bad_target.split("{ranks}")[0]):
                     raise
-                raise raised_everywhere(ShapeError(f"{e} (here: {problem})")) from None
+                err = ShapeError(f"{e} (here: {problem})" if problem is not None else str(e))
+                if self._checked_world or len(self.participants) == self.world.size:
+                    raise raised_everywhere(err) from None
+                raise err from None  # the members alone checked: posted to the others
             local = spec.adopt(local)
             spec.check_local(local, self.name)
             if problem is not None:  # (the check across ranks did not run: a repeated spec)
                 raise ShapeError(problem)
             opts = {k: self._cut(v, spec) for k, v in self.options.items()}
             if self.reduction == "none":
-                y = self.fn(local, t, reduction="none", **opts) if self.P_x.active else \
+                # (an empty block may come with any target: torch's loss is not asked)
+                y = self.fn(local, t, reduction="none", **opts) \
+                    if self.P_x.active and local.numel() else \
                     connect(local.new_zeros(plan.out.local_shape), local)  # in the graph
                 return DistTensor(y, plan.out, check=False) if dist_in else y
             return self._reduced(local, t, opts, plan)

@@ -25,7 +25,7 @@ from ..errors import MismatchError, PartitionError, ShapeError, raised_everywher
 from ..meta import OK, Row, exchange, same_program
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
-from ..primitives.base import first_order
+from ..primitives.base import layer_adjoint
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ._layer import DistributedModule, ShardedParameters
 from ._params import parameter
@@ -283,7 +283,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         return y, mean, var
 
     @staticmethod
-    @first_order  # a double backward raises torch's clear error, never a wrong one
+    @layer_adjoint  # double backward: torch's clear error; failures posted to the world
     def backward(ctx, dy, _mean, _var):  # type: ignore[override]
         x, mean, invstd, w = ctx.saved_tensors
         C = x.shape[1]

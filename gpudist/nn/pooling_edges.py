@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
-from ..primitives.base import first_order
+from ..primitives.base import layer_adjoint
 
 _POOL = {2: F.max_pool2d, 3: F.max_pool3d}
 _BACK = {2: torch.ops.aten.max_pool2d_with_indices_backward,
@@ -181,7 +181,7 @@ class _EdgeMaxPool(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order  # a double backward raises torch's clear error, never a wrong one
+    @layer_adjoint  # double backward: torch's clear error; failures posted to the world
     def backward(ctx, gy):  # type: ignore[override]
         x, idx, *strip_idx = ctx.saved_tensors
         H, plan, ep, (k, s, d) = ctx.setup

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
-from ..primitives.base import first_order
+from ..primitives.base import layer_adjoint
 
 _MODE = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
@@ -176,7 +176,7 @@ class _EdgeUpsample(torch.autograd.Function):
         return y
 
     @staticmethod
-    @first_order  # a double backward raises torch's clear error, never a wrong one
+    @layer_adjoint  # double backward: torch's clear error; failures posted to the world
     def backward(ctx, gy):  # type: ignore[override]
         H, plan, ep, x_shape = ctx.setup
         sc = ep.scales

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import runtime
 from ..buffers import LRU, BufferPool
 from ..errors import (
     DeviceError,
@@ -137,6 +138,25 @@ def first_order(backward: Callable) -> Callable:
         if torch.is_grad_enabled():  # create_graph=True: torch's wrapper and its error
             return twice(ctx, *grads)
         return backward(ctx, *grads)
+
+    return run
+
+
+def layer_adjoint(backward: Callable) -> Callable:
+    """:func:`first_order` for a layer's hand-written backward, run inside the world's
+    failure scope (as a primitive's adjoint is): an error there that not every rank raises
+    -- a peer gone in the middle of its reductions -- is posted to the world, so every
+    rank's message names it."""
+    inner = first_order(backward)
+    where = f"{backward.__qualname__.split('.')[0].lstrip('_')} adjoint"
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        w = runtime._WORLD
+        if w is None:
+            return inner(ctx, *grads)
+        with w.control.scope(where):
+            return inner(ctx, *grads)
 
     return run
 
