@@ -238,7 +238,8 @@ _BINARY = {
     torch.Tensor.ne, torch.Tensor.__gt__, torch.Tensor.__lt__, torch.Tensor.__ge__,
     torch.Tensor.__le__, torch.where, torch.logical_and, torch.logical_or,
     torch.Tensor.logical_and, torch.Tensor.logical_or, torch.Tensor.__and__,
-    torch.Tensor.__or__,
+    torch.Tensor.__or__, torch.Tensor.__rand__, torch.Tensor.__ror__, torch.Tensor.__xor__,
+    torch.Tensor.__rxor__, torch.logical_xor,
 }  # (and torch.where's three operands: every DistTensor among them laid out alike)
 
 
@@ -426,6 +427,9 @@ class DistTensor:
             return a.local if isinstance(a, DistTensor) else a
 
         out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+        if not isinstance(out, torch.Tensor):  # e.g. torch.where(cond): indices of a block
+            raise raised_everywhere(TypeError(_unsupported(f"does not support {name} "
+                                                           f"returning {type(out).__name__}")))
         return DistTensor(out, spec.replace(dtype=out.dtype, device_type=out.device.type),
                           check=False)
 
@@ -490,8 +494,26 @@ class DistTensor:
     def __and__(self, o):
         return self._binary(torch.Tensor.__and__, o)
 
+    def __rand__(self, o):
+        return self._binary(torch.Tensor.__rand__, o)
+
     def __or__(self, o):
         return self._binary(torch.Tensor.__or__, o)
+
+    def __ror__(self, o):
+        return self._binary(torch.Tensor.__ror__, o)
+
+    def __xor__(self, o):
+        return self._binary(torch.Tensor.__xor__, o)
+
+    def __rxor__(self, o):
+        return self._binary(torch.Tensor.__rxor__, o)
+
+    def __bool__(self) -> bool:
+        raise raised_everywhere(TypeError(
+            "the truth value of a gpudist.DistTensor would be each rank's own (its block's), "
+            "so ranks could take different branches: reduce it first (e.g. AllSumReduce of "
+            "a count) and test the result, or test x.local where a per-rank answer is meant"))
 
     # (== and != stay identity comparisons, as for objects: use torch.eq / torch.ne)
 

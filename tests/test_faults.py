@@ -969,6 +969,11 @@ def _loss_on_some_ranks(case):
         t = blk[:2] if P.active else blk
     elif case == "outsider":  # an outsider passing a target that holds data
         t = blk if P.active else torch.zeros(3, 3, dtype=torch.float64)
+    elif case == "none_target":  # a member passing None
+        t = None if P.index == 1 else blk
+    elif case == "int32":  # class indices must be int64, as torch's
+        t = torch.zeros(blk.shape[0], dtype=torch.int32) if P.active else None
+        L = gnn.DistributedLoss(P, "cross_entropy")
     else:  # class probabilities with ignore_index (torch refuses)
         t, L = blk.softmax(1), C
     try:
@@ -980,11 +985,12 @@ def _loss_on_some_ranks(case):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["shape", "outsider", "float_ignore"])
+@pytest.mark.parametrize("case", ["shape", "outsider", "float_ignore", "none_target",
+                                  "int32"])
 def test_loss_on_some_ranks_reports_a_bad_target_everywhere(cluster, case, backend):
     out = cluster.run(4, _loss_on_some_ranks, case, backend=backend)
     assert all(e.startswith("ShapeError") and "target on rank(s) " in e for e, _ in out), out
-    bad = "[2, 3]" if case == "outsider" else "[0, 1]"
+    bad = {"outsider": "[2, 3]", "none_target": "[1]"}.get(case, "[0, 1]")
     assert all(bad in e for e, _ in out), out
     if case == "float_ignore":
         assert "ignore_index is not supported" in out[0][0], out
@@ -1112,8 +1118,11 @@ def _pointwise():
                    torch.equal(((split > 0) & (split < 3)).local, (a > 0) & (a < 3)),
                    torch.equal((~(split > 1)).local, ~(a > 1)),
                    isinstance(split > 1, DistTensor)]
+    out["more"] += [torch.equal((True & (split > 1)).local, True & (a > 1)),
+                    torch.equal(((split > 1) ^ (split > 2)).local, (a > 1) ^ (a > 2))]
     for name, f in (("matmul", lambda: split @ split), ("pow_summands", lambda: summands ** 2),
-                    ("gt_summands", lambda: summands > 0)):
+                    ("gt_summands", lambda: summands > 0), ("bool", lambda: bool(split > 1)),
+                    ("where1", lambda: torch.where(split > 1))):
         try:
             f()
             out[name] = "no error"
@@ -1141,8 +1150,9 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
         assert o["exact"] == [7.0] * 4, o
         assert o["methods"] == [True, True, True], o
         assert "has no .sum()" in o["sum"] and "x.local" in o["sum"], o
-        assert o["more"] == [True] * 11, o
+        assert o["more"] == [True] * 13, o
         assert "does not support @" in o["matmul"], o
+        assert "truth value" in o["bool"] and "does not support where" in o["where1"], o
         assert "summands" in o["pow_summands"] and "summands" in o["gt_summands"], o
 
 

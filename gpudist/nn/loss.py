@@ -181,6 +181,9 @@ class DistributedLoss(DistributedModule):
                         f"those ranks")
         block = spec.local_shape
         if not isinstance(t, torch.Tensor):
+            if self.named and self.P_x.active and math.prod(block):
+                return (f"{self.name}: rank {spec.partition.world.rank}'s target is "
+                        f"{type(t).__name__}, not a tensor")
             return None
         if not self.P_x.active:
             if t.numel():  # as an input block holding data outside its operator
@@ -195,6 +198,9 @@ class DistributedLoss(DistributedModule):
             return None  # empty blocks may come with any target (they hold nothing)
         want = block
         if self.classwise and not t.dtype.is_floating_point:
+            if t.dtype != torch.int64:  # torch's kernels take int64 class indices only
+                return (f"{self.name}: rank {spec.partition.world.rank}'s class-index "
+                        f"target is {t.dtype}; torch takes int64 (long) class indices")
             want = want[:1] + want[2:]  # class indices: no class dim
         if tuple(t.shape) != want:
             return (f"{self.name}: rank {spec.partition.world.rank}'s target block has shape "
