@@ -509,11 +509,11 @@ class DistTensor:
     def __rxor__(self, o):
         return self._binary(torch.Tensor.__rxor__, o)
 
-    def __bool__(self) -> bool:
-        raise raised_everywhere(TypeError(
+    def __bool__(self) -> bool:  # (not marked raised everywhere: asked where a rank asks)
+        raise TypeError(
             "the truth value of a gpudist.DistTensor would be each rank's own (its block's), "
             "so ranks could take different branches: reduce it first (e.g. AllSumReduce of "
-            "a count) and test the result, or test x.local where a per-rank answer is meant"))
+            "a count) and test the result, or test x.local where a per-rank answer is meant")
 
     # (== and != stay identity comparisons, as for objects: use torch.eq / torch.ne)
 
