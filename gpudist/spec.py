@@ -239,7 +239,7 @@ _BINARY = {
     torch.Tensor.__le__, torch.where, torch.logical_and, torch.logical_or,
     torch.Tensor.logical_and, torch.Tensor.logical_or, torch.Tensor.__and__,
     torch.Tensor.__or__, torch.Tensor.__rand__, torch.Tensor.__ror__, torch.Tensor.__xor__,
-    torch.Tensor.__rxor__, torch.logical_xor,
+    torch.Tensor.__rxor__, torch.logical_xor, torch.isclose, torch.Tensor.isclose,
 }  # (and torch.where's three operands: every DistTensor among them laid out alike)
 
 

@@ -147,6 +147,36 @@ def test_batchnorm_running_stats_changed_on_one_rank(cluster, edit):
                          "weight"]
 
 
+def _bn_pair_swapped():
+    """Two batch norms on disjoint ranks ([0, 1] and [2, 3]: equal layer numbers), their
+    first eval calls in swapped order on ranks 2, 3: a program that differs, found in the
+    copies' check as such (it read as copies that differ)."""
+    A = gnn.DistributedBatchNorm(Partition([0, 1], (2, 1, 1)), 2, dtype=torch.float64)
+    B = gnn.DistributedBatchNorm(Partition([2, 3], (2, 1, 1)), 2, dtype=torch.float64)
+    with torch.no_grad():
+        B.running_mean.fill_(5.0)
+    A.eval()
+    B.eval()
+    xa = _dist_block(A.P_x)
+    xb = _dist_block(B.P_x)
+    try:
+        for layer, x in ((A, xa), (B, xb)) if gpudist.world().rank < 2 else ((B, xb), (A, xa)):
+            layer(x)
+    except gpudist.MismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def _dist_block(P):
+    G = global_tensor((4, 2, 3), seed=0)
+    return block_of(G, P)
+
+
+def test_batchnorm_copies_check_tells_layers_apart(cluster):
+    out = cluster.run(4, _bn_pair_swapped)
+    assert all("different operators" in o for o in out), out
+
+
 def _bn_float32_large_mean():
     P = Partition.grid((2, 1, 1, 1))
     G = (torch.randn(8, 2, 5, 5, generator=torch.Generator().manual_seed(0)) * 0.1 + 300)

@@ -26,7 +26,7 @@ from ..meta import OK, Row, exchange, same_program
 from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
 from ..primitives.base import layer_adjoint
-from ..spec import PARTIAL, REPLICATE, TensorSpec
+from ..spec import PARTIAL, REPLICATE, TensorSpec, stable_hash
 from ._layer import DistributedModule, ShardedParameters
 from ._params import parameter
 
@@ -199,7 +199,8 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 h.update(t.view(torch.uint8).numpy().tobytes())
             digest = int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
         group = self.world_group
-        rows = exchange(group, Row.make(name[-24:], OK, self._uid, None, "cpu", [block + 1],
+        me = stable_hash((self._uid, self.P_x.key))  # this layer, on every rank alike
+        rows = exchange(group, Row.make(name[-24:], OK, me, None, "cpu", [block + 1],
                                         None, digest), name)
         same_program(rows, group.ranks, name)  # every rank at this layer's same check
         copies: dict[int, dict[int, list[int]]] = {}
