@@ -169,7 +169,8 @@ def _bn_pair_swapped():
 
 def _dist_block(P):
     G = global_tensor((4, 2, 3), seed=0)
-    return block_of(G, P)
+    return DistTensor.from_local(block_of(G, P), P, tuple(G.shape))  # (no metadata
+    # exchange: the copies' check is the first one the ranks meet)
 
 
 def test_batchnorm_copies_check_tells_layers_apart(cluster):
