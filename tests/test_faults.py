@@ -334,8 +334,11 @@ def test_data_outside_an_operator_is_an_error(cluster, backend):
     errs, secs = _run_timed(cluster, 3, _outsider_passes_data, backend=backend)
     assert errs[2] is not None and errs[2].type == "ShapeError" and "outside" in \
         errs[2].message, errs
-    assert all(e is not None and e.type == "RemoteError" and "rank 2" in e.message
-               for e in errs[:2]), errs
+    # (the members raise the RemoteError carrying it; a member that learnt of the abort
+    # between two calls raises WorldAborted carrying the same: seen once under load)
+    full = "\n".join(f"rank {i}: {e}" for i, e in enumerate(errs))
+    assert all(e is not None and e.type in ("RemoteError", "WorldAborted")
+               and "rank 2 failed with ShapeError" in e.message for e in errs[:2]), full
     assert secs < FAST, secs
 
 
