@@ -184,7 +184,12 @@ class Transport(ABC):
         if g is None:
             if key != tuple(range(self.size)):
                 self._agree_on(key)
-            handle, meta = self._make_group(key)
+            try:
+                handle, meta = self._make_group(key)
+            except Exception:  # a backend's store wait: the failure a peer posted (its
+                if self.control is not None:  # leaving is what made it wait) says more
+                    self.control.poll_abort(f"creating the communicator of ranks {list(key)}")
+                raise
             member = self.rank in key
             g = Group(key, handle if member else None, meta if member else None)
             self._groups[key] = g
