@@ -236,6 +236,14 @@ def _records(grad: int) -> str:
     return " and ".join(parts) or "nothing requires grad (or no grad mode)"
 
 
+def _bad_blocks(ranks: list[int], text: str) -> ShapeError:
+    """The ShapeError of a check that found bad blocks (``bad_ranks``: where), raised alike
+    by every rank of the check."""
+    err = ShapeError(text)
+    err.bad_ranks = ranks  # type: ignore[attr-defined]
+    return raised_everywhere(err)
+
+
 def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
            local_ok: bool, ranks: Sequence[int] | None = None, grad: int | None = None,
            bad_text: str | None = None) -> None:
@@ -249,10 +257,9 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
     if group is None or group.size == 1:
         if not local_ok:
             me = [spec.partition.world.rank] if spec else []
-            raise raised_everywhere(ShapeError(
-                bad_text.format(ranks=me) if bad_text is not None else
-                f"{what}: this rank's block does not match "
-                f"{spec.describe() if spec else 'its spec'}"))
+            raise _bad_blocks(me, bad_text.format(ranks=me) if bad_text is not None else
+                              f"{what}: this rank's block does not match "
+                              f"{spec.describe() if spec else 'its spec'}")
         return
     status = (OK if local_ok else BAD_BLOCK) | (
         0 if grad is None else (1 + int(grad)) << _GRAD_SHIFT)
@@ -280,7 +287,7 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
             f"mode"))
     bad = [r for r, x in zip(group.ranks, rows) if x.status & _STATUS_MASK != OK]
     if bad:
-        raise raised_everywhere(ShapeError(
-            bad_text.format(ranks=bad) if bad_text is not None else
-            f"{what}: the block on rank(s) {bad} does not match the tensor "
-            f"{spec.describe() if spec else ''} (each rank's error says what it holds)"))
+        raise _bad_blocks(bad, bad_text.format(ranks=bad) if bad_text is not None else
+                          f"{what}: the block on rank(s) {bad} does not match the tensor "
+                          f"{spec.describe() if spec else ''} (each rank's error says what "
+                          f"it holds)")

@@ -308,7 +308,6 @@ class DistributedModule(torch.nn.Module):
         if outsiders and not member:
             grad = None  # (what an outsider records is nobody's concern: not a trigger)
         new_spec = last is None or last[2] != kinds or (last[0] is not spec and last[0] != spec)
-        self.__dict__["_checked_world"] = False
         if new_spec or last[1] != grad:
             reshaped = self._reshaped_parameters(kinds)
             if reshaped is not None:  # reported as a bad block would be
@@ -318,7 +317,8 @@ class DistributedModule(torch.nn.Module):
             world_wide = outsiders and new_spec
             if member or world_wide:
                 config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
-                self.__dict__["_checked_world"] = world_wide
+                self.__dict__["_checked_world"] = world_wide  # (what a loss reads when
+                # this check finds a bad target: was it every rank's?)
                 # (outsiders record nothing the members' adjoints need: their grad state
                 # is not compared)
                 verify(self.world_group if world_wide else self._group, self.name, config,
