@@ -20,7 +20,9 @@ reducescatter  ReduceScatter((n,), 0, 0)        reduce_scatter_tensor | Reduce_ 
 ``size`` follows nccl-tests: the per-rank buffer for broadcast/reduce/all-reduce/all-to-all,
 the gathered (output) buffer for all-gather. ``fwd`` times the forward; ``fwd+adj`` times
 forward + backward (the adjoint: reduce for broadcast, broadcast for reduce, ...), compared
-with the raw forward call followed by the raw adjoint call. ``spec`` says whether the input
+with the raw forward call followed by the raw adjoint call and (``ratio_autograd``) with
+that raw pair behind torch's autograd (a Function whose backward makes the raw adjoint
+call): what autograd's engine costs any op with a backward. ``spec`` says whether the input
 was a :class:`gpudist.DistTensor` (its spec carried: no metadata exchange, the normal case
 between layers) or a plain local block (its spec found by a metadata exchange, once per
 local shape where every participant holds a block, every call otherwise).
@@ -108,9 +110,36 @@ class _Raw(RawBackend):
             self.dist.reduce_scatter_tensor(out, buf)
 
 
+class _RawPair:
+    """Made at first use: a ``torch.autograd.Function`` whose forward runs a raw forward
+    call and whose backward runs the raw adjoint call (both on preallocated buffers)."""
+
+    fn = None
+
+    @classmethod
+    def apply(cls, x, fwd, adj, out, grad_in):
+        if cls.fn is None:
+            import torch
+
+            class Pair(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, fwd, adj, out, grad_in):
+                    ctx.adj, ctx.grad_in = adj, grad_in
+                    fwd()
+                    return out.detach()  # a new tensor object, as gpudist's pooled buffers
+
+                @staticmethod
+                def backward(ctx, dy):
+                    ctx.adj()
+                    return ctx.grad_in.detach(), None, None, None, None
+
+            cls.fn = Pair
+        return cls.fn.apply(x, fwd, adj, out, grad_in)
+
+
 def _cases(prim: str, size: int, world, hint: bool):
-    """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj) closures; ``hint``: the input
-    is a DistTensor (else a plain block)."""
+    """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj, raw fwd+adj behind autograd)
+    closures; ``hint``: the input is a DistTensor (else a plain block)."""
     import torch
 
     from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
@@ -144,8 +173,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         def rf():
             raw.broadcast(full)
 
-        def ra():
-            raw.broadcast(full)
+        def rb():
             raw.reduce(dy, other)
     elif prim == "sumreduce":
         make = lambda: SumReduce(P, root)  # noqa: E731
@@ -157,8 +185,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         def rf():
             raw.reduce(full, other)
 
-        def ra():
-            raw.reduce(full, other)
+        def rb():
             raw.broadcast(other)
     elif prim == "allsumreduce":
         make = lambda: AllSumReduce(P, axes=(0,))  # noqa: E731
@@ -170,8 +197,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         def rf():
             raw.all_reduce(full, other)
 
-        def ra():
-            raw.all_reduce(full, other)
+        def rb():
             raw.all_reduce(dy, other)
     elif prim in ("repartition", "repartition_pack"):
         m = max(1, numel // n)
@@ -188,8 +214,7 @@ def _cases(prim: str, size: int, world, hint: bool):
             def rf():
                 raw.all_to_all(dst, src)
 
-            def ra():
-                raw.all_to_all(dst, src)
+            def rb():
                 raw.all_to_all(src, dst)
         else:  # what this move needs: column strips packed, sent, unpacked on the way back
             packed = torch.empty(n, m, **f32)
@@ -200,8 +225,7 @@ def _cases(prim: str, size: int, world, hint: bool):
                     packed[j].copy_(xr[:, j])
                 raw.all_to_all(dst, packed.view(-1))
 
-            def ra():
-                rf()
+            def rb():
                 raw.all_to_all(packed.view(-1), dst)
                 for j in range(n):
                     xr[:, j].copy_(packed[j])
@@ -217,10 +241,9 @@ def _cases(prim: str, size: int, world, hint: bool):
         def rf():
             raw.all_gather(gout, x)
 
-        def ra():
+        def rb():
             # adjoint of all-gather is reduce-scatter; gloo has none, so the raw pair is
             # all-gather + all-reduce of the gathered buffer (an upper bound on raw work)
-            raw.all_gather(gout, x)
             raw.reduce_scatter(x, dy)
     elif prim == "reducescatter":
         m = max(1, numel // n)
@@ -237,8 +260,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         def rf():
             raw.reduce_scatter(rout, scratch)
 
-        def ra():
-            raw.reduce_scatter(rout, scratch)
+        def rb():
             raw.all_gather(gout, dy)
     else:
         raise ValueError(prim)
@@ -260,6 +282,21 @@ def _cases(prim: str, size: int, world, hint: bool):
     if tuple(dy.shape) != tuple(y0.shape):
         dy = torch.rand_like(y0)
 
+    def ra():  # the raw pair: forward call, then adjoint call
+        rf()
+        rb()
+
+    # the same raw pair behind torch's autograd (a Function whose backward runs the raw
+    # adjoint): the floor any op with a backward pays for autograd's engine, so that the
+    # fwd+adj rows also say how much of gpudist's time is autograd and how much its own
+    xr_g = torch.zeros_like(x).requires_grad_(True)
+    gx_r = torch.zeros_like(x)
+    dy_r = torch.rand(1, **f32)  # the Function's output: a stand-in (the raw calls write
+    # their own buffers, as in the raw pair)
+
+    def rg():
+        torch.autograd.grad(_RawPair.apply(xr_g, rf, rb, dy_r, gx_r), xr_g, dy_r)
+
     def gf():  # (the input requires no grad: no graph is recorded, as in the raw call)
         op(xd)
 
@@ -267,7 +304,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         # the raw pair accumulates nothing either; inside a network it flows to the next op)
         torch.autograd.grad(local(op_adj(xgd)), xg, dy, allow_unused=True)
 
-    return gf, ga, rf, ra
+    return gf, ga, rf, ra, rg
 
 
 def run(args, world) -> list[dict]:
@@ -282,8 +319,9 @@ def run(args, world) -> list[dict]:
     for prim in prims:
         for size in sizes:
             for hint in hints:
-                gf, ga, rf, ra = _cases(prim, size, world, hint)
-                res = timer.time({"g_fwd": gf, "r_fwd": rf, "g_adj": ga, "r_adj": ra})
+                gf, ga, rf, ra, rg = _cases(prim, size, world, hint)
+                res = timer.time({"g_fwd": gf, "r_fwd": rf, "g_adj": ga, "r_adj": ra,
+                                  "r_autograd": rg})
                 for mode, g, r in (("fwd", "g_fwd", "r_fwd"), ("fwd+adj", "g_adj", "r_adj")):
                     tg, tr = res[g]["median_s"], res[r]["median_s"]
                     passes = 1 if mode == "fwd" else 2
@@ -296,6 +334,10 @@ def run(args, world) -> list[dict]:
                         "gpudist_p25_ms": res[g]["p25_s"] * 1e3,
                         "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
                         "raw_p25_ms": res[r]["p25_s"] * 1e3, "raw_p75_ms": res[r]["p75_s"] * 1e3,
+                        # fwd+adj: vs the raw pair behind autograd (fwd: no graph, as raw)
+                        **({"raw_autograd_ms": res["r_autograd"]["median_s"] * 1e3,
+                            "ratio_autograd": tg / res["r_autograd"]["median_s"]}
+                           if mode == "fwd+adj" else {}),
                         "gpudist_algbw_GBs": passes * size / tg / 1e9,
                         "gpudist_busbw_GBs": passes * size / tg / 1e9 * BUSBW[prim](n),
                         "raw_algbw_GBs": algbw, "raw_busbw_GBs": algbw * BUSBW[prim](n),
@@ -316,7 +358,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["primitive", "bytes", "mode", "hint", "gpudist_ms", "raw_ms", "ratio",
-           "paired", "paired_lo", "paired_hi", "gpudist_busbw_GBs", "raw_busbw_GBs"]
+           "paired", "paired_lo", "paired_hi", "raw_autograd_ms", "ratio_autograd",
+           "gpudist_busbw_GBs", "raw_busbw_GBs"]
 
 
 def main(args, argv) -> None:

@@ -15,14 +15,17 @@ def _size(b: int) -> str:
     return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
 
 
-def primitives(rows: list[dict], mode: str) -> list[str]:
-    sel = [r for r in rows if r["mode"] == mode and r["hint"] == "True"]
+def primitives(rows: list[dict], mode: str, col: str = "ratio") -> list[str]:
+    """Ratio vs size per primitive; ``col`` "ratio_autograd": fwd+adj against the raw pair
+    behind autograd."""
+    sel = [r for r in rows if r["mode"] == mode and r["hint"] == "True" and r.get(col)]
     sizes = sorted({int(r["bytes"]) for r in sel})
     out = ["| primitive | backend | " + " | ".join(_size(s) for s in sizes) + " |",
            "|---|---|" + "---|" * len(sizes)]
     for prim in dict.fromkeys(r["primitive"] for r in sel):
         by = {int(r["bytes"]): r for r in sel if r["primitive"] == prim}
-        cells = [_paired(by[s]) if s in by else "-" for s in sizes]
+        cells = [("-" if s not in by else _paired(by[s]) if col == "ratio" else
+                  f"{float(by[s][col]):.2f}x") for s in sizes]
         out.append(f"| {prim} | {sel[0]['backend']} | " + " | ".join(cells) + " |")
     return out
 
@@ -67,6 +70,8 @@ COLS = {
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", default="results", help="folder of the suites' CSVs")
     p.add_argument("--mode", default="fwd", help="primitives: fwd or fwd+adj")
+    p.add_argument("--col", default="ratio", choices=["ratio", "ratio_autograd"],
+                   help="primitives: vs the raw pair, or (fwd+adj) vs it behind autograd")
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
@@ -75,7 +80,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         kind = csvp.stem.split("_")[0]
         if not rows or (kind != "primitives" and kind not in COLS):
             continue
-        lines = primitives(rows, args.mode) if kind == "primitives" else \
+        lines = primitives(rows, args.mode, args.col) if kind == "primitives" else \
             rows_table(rows, COLS[kind])
         print(f"\n{csvp.name}\n")
         print("\n".join(lines))

@@ -305,6 +305,20 @@ def test_classes_split_is_an_error(cluster):
     assert all(e is not None and "class dimension" in e.message for e in errs), errs
 
 
+def _unbatched_class_loss(name, n):
+    """A class-wise loss over a 1-D partition (torch's unbatched (C,) input, class dim
+    0): computed, it divided a probability target's mean by C and took a log-softmax per
+    block of a split class dim (silently wrong); refused now."""
+    gnn.DistributedLoss(Partition.grid((n,)), name)
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll"])
+def test_unbatched_class_loss_is_an_error(cluster, name):
+    for n in (1, 2):
+        errs = cluster.run(2, _unbatched_class_loss, name, n, expect_error=True)
+        assert all(e is not None and "unbatched" in e.message for e in errs), errs
+
+
 def _none_on_an_inactive_rank():
     """reduction='none' on a rank outside the loss's partition: its (empty) output is in
     the graph like everyone's, so the same backward call works on every rank."""

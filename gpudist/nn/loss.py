@@ -74,7 +74,13 @@ class DistributedLoss(DistributedModule):
         self.named = isinstance(loss, str)  # a callable's target may have any shape
         if reduction == "batchmean" and self.fn is not F.kl_div:
             raise raised_everywhere(ValueError("reduction='batchmean' is kl_div's only"))
-        if self.classwise and P_x.dim > 1 and P_x.shape[1] != 1:
+        if self.classwise and P_x.dim < 2:  # torch's unbatched (C,): class dim 0
+            raise raised_everywhere(PartitionError(
+                f"{loss}: unbatched input (a 1-dimensional partition, P_x {P_x.shape}) is "
+                f"not supported: the class dimension is dim 1 of an (N, C, ...) input; "
+                f"add a batch dimension (x.unsqueeze(0), target.unsqueeze(0)) and use a "
+                f"partition of 2 or more dimensions"))
+        if self.classwise and P_x.shape[1] != 1:
             raise raised_everywhere(PartitionError(
                 f"{loss}: the class dimension (dim 1) must not be partitioned, P_x "
                 f"{P_x.shape}"))
