@@ -257,9 +257,8 @@ class Control:
 
         ``block(s)`` blocks up to ``s`` seconds for progress (e.g. an Event); without it the
         loop sleeps with backoff, or, when ``spin`` (MPI needs its progress engine driven
-        by ``done()``; a gloo or NCCL collective completes elsewhere and is seen sooner),
-        polls yielding the core for ``spin_s`` (env ``GPUDIST_SPIN_S``) and then naps up
-        to ``nap_max_s`` (``GPUDIST_NAP_MAX_S``) between polls. ``what`` (a
+        by ``done()``), polls yielding the core for ``spin_s`` (env ``GPUDIST_SPIN_S``) and
+        then naps up to ``nap_max_s`` (``GPUDIST_NAP_MAX_S``) between polls. ``what`` (a
         string, or a function making it: only a slow wait needs the text) names the wait in
         errors.
         """

@@ -155,10 +155,6 @@ class TorchDistTransport(Transport):
 
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
               orig: torch.Tensor | None = None) -> Work:
-        """The collective ``w`` as a Work, polled while yielding the core (``spin``): gloo
-        completes it on its own thread, NCCL on the device, and a wait napping between
-        polls woke 0.1-1 ms late (gloo, 2 ranks: a 64 KiB broadcast 220 us against 137 us
-        polled; ``bench/RESULTS.md``)."""
         def finish() -> None:
             try:
                 w.wait()
@@ -167,7 +163,7 @@ class TorchDistTransport(Transport):
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
-        return Work(what, w.is_completed, finish, spin=True)
+        return Work(what, w.is_completed, finish)
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -202,8 +198,7 @@ class TorchDistTransport(Transport):
                     w.wait()
                 copy_back()
 
-            return [Work(what, lambda: all(w.is_completed() for w in works), finish,
-                         spin=True)]
+            return [Work(what, lambda: all(w.is_completed() for w in works), finish)]
         pending = self._waiter.submit(works)
 
         def finish_gloo() -> None:
@@ -254,7 +249,7 @@ class TorchDistTransport(Transport):
                     raise _backend_error(e, what, self.control) from e
                 out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
 
-            return Work(what, w.is_completed, finish, spin=True)
+            return Work(what, w.is_completed, finish)
         out = _flat(out)
         so = self._out(("rs-out", group.ranks), out)
         si = self._in(("rs-in", group.ranks), _flat(inp))
