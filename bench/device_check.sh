@@ -67,11 +67,11 @@ gpu)
     ;;
 cpu16)
     for be in mpi gloo; do
-        step "halo-$be" 60 $PY -m bench halo --backend "$be" --ranks 4 --no-progress \
+        step "halo-$be" 45 $PY -m bench halo --backend "$be" --ranks 4 --no-progress \
             --out "$RES"
-        step "layers-$be" 120 $PY -m bench layers --backend "$be" --ranks 4 --no-ws1 \
+        step "layers-$be" 150 $PY -m bench layers --backend "$be" --ranks 4 --no-ws1 \
             --repeats 10 --no-progress --out "$RES"
-        step "primitives-$be" 75 $PY -m bench primitives --backend "$be" --ranks 4 \
+        step "primitives-$be" 90 $PY -m bench primitives --backend "$be" --ranks 4 \
             --sizes 64KiB 1MiB 64MiB --repeats 15 --no-hint-compare --no-progress \
             --out "$RES"
     done
