@@ -13,6 +13,7 @@ from gpudist.nn.layernorm import (
     DistributedRMSNormZero,
 )
 from gpudist.nn.transpose import DistributedTranspose, transposed_partition
+from gpudist.primitives import AllSumReduce
 from gpudist.testing import jacobian_adjoint_mismatch as jam
 from tests.util import (
     assert_raised_everywhere,
@@ -194,6 +195,38 @@ def test_embedding_mpi(cluster, backend):
                       {"max_norm": 1.0, "scale_grad_by_freq": True}, backend=backend)
     assert "dw1" in set().union(*res)
     assert all(v < TOL for r in res for v in r.values()), res
+
+
+def _emb_bad_index(pshape, bad):
+    """Indices (0, 3, bad) over P_x; P on ranks 0 and 1 of a 3-rank world (rank 2 outside
+    the layer: it learns of the failure at its next call that waits for a peer)."""
+    P = Partition([0, 1], pshape)
+    emb = DistributedEmbedding(P, 4, 4, dtype=torch.float64)
+    everyone = AllSumReduce(Partition.grid((3,)), axes=(0,))
+    T = torch.tensor([0, 3, bad])
+    x = DistTensor.from_local(block_of(T, emb.P_x), emb.P_x, (3,))
+    emb(x)
+    everyone(torch.ones(2))
+
+
+@pytest.mark.parametrize("pshape", [(1, 1, 2), (1, 2, 1), (2, 1, 1)],
+                         ids=["dim-split", "vocab-split", "index-split"])
+@pytest.mark.parametrize("bad", [4, -1])
+def test_embedding_index_out_of_range(cluster, pshape, bad):
+    """torch's Embedding raises IndexError for such an index; gpudist raised torch's bare
+    IndexError (no layer named) after the broadcast, on the ranks holding the index, and
+    with a vocabulary split a RemoteError on the others (fuzz-found): now the rank whose
+    block holds it raises an IndexError naming the layer, the index and the range before
+    anything moves, and every other rank a RemoteError carrying it."""
+    errs = cluster.run(3, _emb_bad_index, pshape, bad, expect_error=True)
+    holder = 1 if pshape == (2, 1, 1) else 0  # the index (third entry) lives there
+    e = errs[holder]
+    assert e is not None and e.type == "IndexError", errs
+    assert f"index {bad} is out of range for 4 embeddings" in e.message, e.message
+    assert "DistributedEmbedding" in e.message, e.message
+    for r in {0, 1, 2} - {holder}:
+        assert errs[r] is not None and errs[r].type in ("RemoteError", "WorldAborted"), errs
+        assert f"rank {holder} failed with IndexError" in errs[r].message, errs[r].message
 
 
 # ------------------------------------------------------------------ transpose: 2-D FFT

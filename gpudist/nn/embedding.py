@@ -174,12 +174,14 @@ class _Embedding(DistributedModule):
     # -- forward ----------------------------------------------------------------------
     def run(self, idx: torch.Tensor, plan: _EmbPlan) -> torch.Tensor:
         n, P = self.n, self.P
+        self._check_range(idx)
         iw = self.idx_bcast.apply(idx, plan.idx)
         li, inside = iw, None
         nb = self.v1 - self.v0
         if P.active and P.shape[n] > 1:  # indices of my vocabulary block; others masked
             inside = (iw >= self.v0) & (iw < self.v1)
-            # indices outside the vocabulary stay out of range: the lookup raises as torch's
+            # indices outside the vocabulary (only on CUDA, unchecked: see _check_range) stay
+            # out of range: the lookup raises as torch's
             keep = inside | (iw < 0) | (iw >= self.num_embeddings)
             li = torch.where(keep, iw - self.v0, torch.zeros_like(iw))
         inv = None
@@ -195,6 +197,22 @@ class _Embedding(DistributedModule):
         if inside is not None:
             e = e * inside.unsqueeze(-1).to(e.dtype)
         return self.y_reduce.apply(e, plan.y)
+
+    def _check_range(self, idx: torch.Tensor) -> None:
+        """An index outside ``[0, num_embeddings)`` in this rank's block: an IndexError
+        naming it, raised here before the indices move (posted to the world: the layer's
+        other ranks raise a RemoteError carrying it). torch raised it after the broadcast
+        on the ranks holding the index, with no name of the layer. On CUDA the check is
+        left to torch's device-side assert (it would synchronise with the host)."""
+        if not idx.numel() or idx.is_cuda:
+            return
+        lo, hi = torch.aminmax(idx)
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = int(lo) if lo < 0 else int(hi)
+            raise IndexError(
+                f"{self.name}: index {bad} is out of range for {self.num_embeddings} "
+                f"embeddings (valid: 0 to {self.num_embeddings - 1}), in rank "
+                f"{self.P.world.rank}'s block of the indices")
 
     def _row_stats(self, li: torch.Tensor, plan: Plan, nb: int) -> torch.Tensor | None:
         """``li``: the indices relative to my block's first row (outside ``[0, nb)``: rows
