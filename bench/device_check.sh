@@ -77,7 +77,8 @@ cpu16)
     done
     ;;
 esac
-$PY -m bench table --src "$RES" >"$OUT/$PHASE-tables.md" 2>&1 || true
+$PY -m bench table --src "$RES" --targets >"$OUT/$PHASE-tables.md" 2>&1 || true
+$PY -m bench table --src "$RES" >>"$OUT/$PHASE-tables.md" 2>&1 || true
 $PY -m bench table --src "$RES" --mode fwd+adj >>"$OUT/$PHASE-tables.md" 2>&1 || true
 tar czf "$OUT/$PHASE.tar.gz" -C /tmp/device "$PHASE"
 ls -l "$OUT"

@@ -67,14 +67,71 @@ COLS = {
 }
 
 
+# issue #14's bars: (suite, case, mode or None, smallest size in bytes or None) -> ratio
+TARGETS = [
+    ("halo", "exchange", None, None, 1.10),
+    ("halo", "exchange+adjoint", None, None, 1.10),
+    ("layers", "conv2d", None, None, 1.05),
+    ("layers", "conv2d_chan", None, None, 1.10),
+    ("layers", "maxpool2d", None, None, 1.10),
+    ("layers", "avgpool2d", None, None, 1.10),
+    ("layers", "upsample2d", None, None, 1.10),
+    ("primitives", None, "fwd", 1 << 20, 1.05),
+    ("primitives", None, "fwd+adj", 1 << 20, 1.05),
+    ("primitives", None, "fwd", 64 << 10, 1.30),
+    ("primitives", None, "fwd+adj", 64 << 10, 1.30),
+]
+
+
+def _verdict(r: dict, bar: float) -> str:
+    """met (paired ratio at or under the bar), not met (its whole interval above), or
+    unclear (the interval holds the bar); the ratio of medians where no pairs exist."""
+    p = r.get("paired")
+    if p in (None, ""):
+        return "met" if float(r["ratio"]) <= bar else "not met"
+    if float(p) <= bar:
+        return "met"
+    return "not met" if float(r["paired_lo"]) > bar else "unclear"
+
+
+def targets(by_kind: dict[str, list[dict]]) -> list[str]:
+    """One row per measured case that issue #14 sets a bar for, with the verdict."""
+    out = ["| suite | case | backend | ranks | measured | target | verdict |",
+           "|---|---|---|---|---|---|---|"]
+    for kind, case, mode, size, bar in TARGETS:
+        for r in by_kind.get(kind, []):
+            if kind == "halo":
+                name, hit = r["mode"], r["mode"] == case
+            elif kind == "layers":
+                name, hit = r["case"], r["case"] == case and int(r["ranks"]) > 1
+            else:  # a primitive at exactly this size (>= 1 MiB: every size from it on)
+                b = int(r["bytes"])
+                name = f"{r['primitive']} {_size(b)} {r['mode']}"
+                hit = (r["mode"] == mode and r["hint"] == "True"
+                       and (b >= size if size >= 1 << 20 else b == size))
+            if hit:
+                out.append(f"| {kind} | {name} | {r['backend']} | {r.get('ranks', '')} | "
+                           f"{_paired(r)} | <= {bar:.2f}x | {_verdict(r, bar)} |")
+    return out
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", default="results", help="folder of the suites' CSVs")
     p.add_argument("--mode", default="fwd", help="primitives: fwd or fwd+adj")
     p.add_argument("--col", default="ratio", choices=["ratio", "ratio_autograd"],
                    help="primitives: vs the raw pair, or (fwd+adj) vs it behind autograd")
+    p.add_argument("--targets", action="store_true",
+                   help="one checklist of issue #14's bars (halo, layers, primitives) with "
+                        "a verdict per measured case, instead of the tables")
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
+    if args.targets:
+        by_kind: dict[str, list[dict]] = {}
+        for csvp in sorted(Path(args.src).glob("*.csv")):
+            by_kind.setdefault(csvp.stem.split("_")[0], []).extend(_read(csvp))
+        print("\n".join(targets(by_kind)))
+        return
     for csvp in sorted(Path(args.src).glob("*.csv")):
         rows = _read(csvp)
         kind = csvp.stem.split("_")[0]

@@ -96,3 +96,36 @@ def test_device_check_script_is_valid_bash():
                        timeout=60, env={"PATH": "/usr/bin:/bin", "OUT": "/tmp/gpudist-dc",
                                         "PYTHON": sys.executable})
     assert p.returncode == 2 and "usage" in p.stderr, p.stdout + p.stderr
+
+
+def test_targets_checklist_verdicts():
+    """``python -m bench table --targets``: each measured case #14 sets a bar for, with
+    met / not met / unclear read from the paired ratio and its interval."""
+    from bench.table import targets
+
+    def prim(name, size, mode, p, lo, hi, hint="True"):
+        return {"primitive": name, "bytes": str(size), "mode": mode, "hint": hint,
+                "backend": "mpi", "ranks": "4", "ratio": str(p), "paired": str(p),
+                "paired_lo": str(lo), "paired_hi": str(hi)}
+
+    rows = {
+        "primitives": [prim("broadcast", 1 << 20, "fwd", 1.02, 1.0, 1.04),
+                       prim("broadcast", 64 << 20, "fwd", 1.2, 1.1, 1.3),
+                       prim("broadcast", 64 << 10, "fwd", 1.4, 1.2, 1.5),
+                       prim("broadcast", 4 << 10, "fwd", 9.0, 8.0, 10.0),  # no bar
+                       prim("broadcast", 1 << 20, "fwd", 3.0, 2.9, 3.1, hint="False")],
+        "layers": [{"case": "conv2d", "ranks": "4", "backend": "gloo", "ratio": "1.2",
+                    "paired": "", "paired_lo": "", "paired_hi": ""},
+                   {"case": "conv2d", "ranks": "1", "backend": "gloo", "ratio": "1.0",
+                    "paired": "", "paired_lo": "", "paired_hi": ""}],
+        "halo": [{"mode": "exchange", "backend": "mpi", "ratio": "0.9", "paired": "0.9",
+                  "paired_lo": "0.8", "paired_hi": "1.0"},
+                 {"mode": "operator", "backend": "mpi", "ratio": "5", "paired": "5",
+                  "paired_lo": "4", "paired_hi": "6"}],
+    }
+    lines = targets(rows)[2:]
+    verdicts = {tuple(c.strip() for c in ln.strip("|").split("|"))[1]: ln.split("|")[-2]
+                .strip() for ln in lines}
+    assert verdicts == {"exchange": "met", "conv2d": "not met",
+                        "broadcast 1 MiB fwd": "met", "broadcast 64 MiB fwd": "not met",
+                        "broadcast 64 KiB fwd": "unclear"}, lines
