@@ -218,7 +218,16 @@ def test_embedding_index_out_of_range(cluster, pshape, bad):
     with a vocabulary split a RemoteError on the others (fuzz-found): now the rank whose
     block holds it raises an IndexError naming the layer, the index and the range before
     anything moves, and every other rank a RemoteError carrying it."""
-    errs = cluster.run(3, _emb_bad_index, pshape, bad, expect_error=True)
+    _bad_index_everywhere(cluster.run(3, _emb_bad_index, pshape, bad, expect_error=True),
+                          pshape, bad)
+
+
+def test_embedding_index_out_of_range_backends(cluster, backend):
+    errs = cluster.run(3, _emb_bad_index, (1, 2, 1), 5, backend=backend, expect_error=True)
+    _bad_index_everywhere(errs, (1, 2, 1), 5)
+
+
+def _bad_index_everywhere(errs, pshape, bad):
     holder = 1 if pshape == (2, 1, 1) else 0  # the index (third entry) lives there
     e = errs[holder]
     assert e is not None and e.type == "IndexError", errs
