@@ -369,7 +369,9 @@ def _gen_loss(rng, n, cfg):
         if rng.random() < 0.3:
             opts["weight"] = [C]
         if rng.random() < 0.3:
-            opts["ignore_index"] = rng.randint(0, C - 1)
+            # a class, or a value outside the classes (255 for unlabelled pixels; with
+            # class weights it broke the mean's divisor), put into some targets
+            opts["ignore_index"] = rng.choice([rng.randint(0, C - 1), C + rng.randint(0, 300)])
         if name == "cross_entropy":
             if rng.random() < 0.3:
                 opts["label_smoothing"] = rng.choice([0.1, 0.25])
@@ -556,7 +558,11 @@ def _target(cfg: dict, call: int) -> torch.Tensor:
     if name in ("nll", "cross_entropy"):
         if cfg.get("probs"):
             return torch.softmax(torch.randn(g, generator=gen, dtype=F64), 1)
-        return torch.randint(0, g[1], g[:1] + g[2:], generator=gen)
+        t = torch.randint(0, g[1], g[:1] + g[2:], generator=gen)
+        ignore = cfg["opts"].get("ignore_index", -100)
+        if ignore >= g[1]:  # outside the classes: only as an ignored target
+            t.view(-1)[::3] = ignore
+        return t
     if name in ("bce", "bce_with_logits") or name == "kl_div" and \
             not cfg["opts"]["log_target"]:
         return torch.rand(g, generator=gen, dtype=F64)

@@ -207,6 +207,14 @@ LOSS_CASES = [
     ("cross_entropy", F.cross_entropy, {"label_smoothing": 0.1, "ignore_index": 2}, "class"),
     ("nll", F.nll_loss, {"weight": torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)},
      "classlog"),
+    # an ignore_index outside the classes (e.g. 255 for unlabelled pixels) held by some
+    # targets, with class weights: the mean's divisor indexed the weights with it (fuzz)
+    ("cross_entropy", F.cross_entropy,
+     {"weight": torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64), "ignore_index": 255},
+     "class255"),
+    ("nll", F.nll_loss,
+     {"weight": torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64), "ignore_index": 255},
+     "classlog255"),
 ]
 
 
@@ -224,10 +232,12 @@ def _data(kind, shape, seed):
         x, t = F.log_softmax(x, 1), F.log_softmax(t, 1)
     elif kind == "rate":
         t = torch.poisson(torch.rand(shape, generator=g, dtype=torch.float64) * 3, generator=g)
-    elif kind in ("class", "classlog"):
+    elif kind.startswith("class"):
         t = torch.randint(0, shape[1], (shape[0],) + shape[2:], generator=g)
-        if kind == "classlog":
+        if kind.startswith("classlog"):
             x = F.log_softmax(x, 1)
+        if kind.endswith("255"):  # every third target unlabelled
+            t.view(-1)[::3] = 255
     return x, t
 
 
@@ -235,7 +245,7 @@ def _loss_case(name, fn, opts, kind, reduction, pshape, gshape, dist_target=Fals
     P = Partition.grid(pshape)
     X, T = _data(kind, gshape, 5)
     x = block_of(X, P).requires_grad_(True)
-    if kind in ("class", "classlog"):  # targets: the input's blocks without the class dim
+    if kind.startswith("class"):  # targets: the input's blocks without the class dim
         from gpudist import Decomposition
 
         sl = Decomposition(gshape, P.shape).global_slices(P.coords) if P.active else None
@@ -255,7 +265,7 @@ def _loss_case(name, fn, opts, kind, reduction, pshape, gshape, dist_target=Fals
         dL = global_tensor(L.shape, seed=9)
         if P.active:
             dl = block_of(dL, Partition(P.ranks, P.shape[:1] + P.shape[2:])) \
-                if kind in ("class", "classlog") else block_of(dL, P)
+                if kind.startswith("class") else block_of(dL, P)
         else:
             dl = torch.zeros(loss.local.shape, dtype=torch.float64)
         loss.local.backward(dl)

@@ -226,7 +226,9 @@ class DistributedLoss(DistributedModule):
         w = opts.get("weight")
         if w is None:
             return keep.sum().to(x.dtype)
-        return w[t.clamp(min=0)].masked_fill(~keep, 0).sum().to(x.dtype)
+        # (an ignored target may be any value, ignore_index >= C too: index with a valid
+        # class there; torch's loss has already refused the other targets out of range)
+        return w[t.masked_fill(~keep, 0)].masked_fill(~keep, 0).sum().to(x.dtype)
 
     def _cut(self, v, spec: TensorSpec):
         """A tensor option cut to this worker's block along the split dims it spans
