@@ -130,7 +130,11 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         by_kind: dict[str, list[dict]] = {}
         for csvp in sorted(Path(args.src).glob("*.csv")):
             by_kind.setdefault(csvp.stem.split("_")[0], []).extend(_read(csvp))
-        print("\n".join(targets(by_kind)))
+        lines = targets(by_kind)
+        verdicts = [ln.rsplit("|", 2)[1].strip() for ln in lines[2:]]
+        print("\n".join(lines))
+        print("\n" + ", ".join(f"{v}: {verdicts.count(v)}"
+                               for v in ("met", "unclear", "not met")))
         return
     for csvp in sorted(Path(args.src).glob("*.csv")):
         rows = _read(csvp)
