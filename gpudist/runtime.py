@@ -151,6 +151,12 @@ class World:
 
 
 _WORLD: World | None = None  # the process group; set by init(), cleared by finalize()
+# The launcher's store (a TCPStore client, or rank 0's server), kept for a world joined
+# again after finalize() (rank 0 could not serve the port twice), and the worlds joined
+# over it: each one's keys under a prefix of its own (a world joined again met the last
+# one's keys and hung connecting to its closed ports). Every rank joins the same worlds.
+_STORE: tuple[object, object] | None = None  # (launcher address, store)
+_JOINED = 0
 
 
 def world() -> World:
@@ -167,8 +173,8 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the world without talking to anyone (a forked child must not use its
     parent's world; after an abort nothing collective is possible)."""
-    global _WORLD
-    _WORLD = None
+    global _WORLD, _STORE
+    _WORLD = _STORE = None  # (a forked child must not use its parent's store's socket)
     _uninstall_excepthook()
 
 
@@ -253,7 +259,7 @@ def init(
                                launch.local_rank, launch.master_addr, launch.master_port)
             store = store or _default_store()
         elif store is None:
-            store = dist.HashStore() if launch.size == 1 else _rendezvous_store(launch, td)
+            store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend, store=store, rank=launch.rank, world_size=launch.size, timeout=td
@@ -285,6 +291,19 @@ def _any_rank(w: World, flag: bool) -> bool:
     tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag)]), tr.group(range(w.size)))],
             "the settings exchange of gpudist.init")
     return bool(out.any())
+
+
+def _launcher_store(launch: LaunchEnv, td: datetime.timedelta):
+    """The launcher's store (made at the first world, kept for the next ones), under a
+    prefix of this world's own."""
+    import torch.distributed as dist
+
+    global _STORE, _JOINED
+    where = (launch.launcher, launch.master_addr, launch.master_port, launch.size)
+    if _STORE is None or _STORE[0] != where:
+        _STORE = (where, _rendezvous_store(launch, td))
+    _JOINED += 1
+    return dist.PrefixStore(f"gpudist/world{_JOINED}", _STORE[1])
 
 
 def _rendezvous_store(launch: LaunchEnv, td: datetime.timedelta):

@@ -301,3 +301,50 @@ def test_missing_peer_times_out(cluster, backend):
     cluster.discard(2, backend)  # a timed-out gloo pair is closed for good
     assert errs[0] is not None and errs[0].type == "CommTimeout", errs[0]
     assert errs[1] is None
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "env", "mpiexec"])
+def test_join_again_after_finalize(launcher, tmp_path):
+    """init -> collective -> finalize, three times in one job: each world works."""
+    from tests.harness import ROOT, mpiexec
+
+    script = str(ROOT / "tests" / "rejoin_script.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), REJOIN_BACKEND="gloo")
+    if launcher == "torchrun":
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                                   "--standalone", "--nproc_per_node", "2", script],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)]
+    elif launcher == "mpiexec":
+        if mpiexec() is None:
+            pytest.skip("mpiexec not installed")
+        procs = [subprocess.Popen([mpiexec(), "-n", "2", sys.executable, script], cwd=ROOT,
+                                  env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)]
+    else:  # the variables a batch script sets itself; rank 0 serves the store
+        base = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                    WORLD_SIZE="2")
+        procs = [subprocess.Popen([sys.executable, script], cwd=ROOT,
+                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    text = "\n".join(outs)
+    assert all(p.returncode == 0 for p in procs), text[-3000:]
+    for r in range(2):
+        for i in range(3):
+            assert f"rank {r} world {i} gloo [2.0, 2.0]" in text, text[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
