@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 
-DEFAULT_COMM_TIMEOUT_S = float(os.environ.get("GPUDIST_COMM_TIMEOUT", "60"))
+from .envvars import number
+
+DEFAULT_COMM_TIMEOUT_S = number("GPUDIST_COMM_TIMEOUT", 60.0, strict=True)
 
 
 @dataclass

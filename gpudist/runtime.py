@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .control import Control
+from .envvars import flag, number
 from .errors import GpudistError, LaunchError
 from .transport.base import Transport
 
@@ -217,10 +218,19 @@ def init(
     (default: env ``GPUDIST_COMM_TIMEOUT``, else 120).
     """
     global _WORLD
+    if backend not in ("auto", "nccl", "gloo", "mpi"):
+        raise LaunchError(f"unknown backend {backend!r}; use auto, nccl, gloo or mpi")
     if _WORLD is not None:
+        if backend not in ("auto", _WORLD.backend):
+            raise LaunchError(
+                f"gpudist.init(backend={backend!r}): this process has joined a "
+                f"{_WORLD.backend} world already; call gpudist.finalize() first")
         return _WORLD
     if timeout is None:
-        timeout = float(os.environ.get("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+        timeout = number("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, strict=True)
+    # every setting read before anything is joined: a bad one raises here
+    cache = int(number("GPUDIST_PLAN_CACHE", 8, minimum=1, integer=True))
+    check_calls = flag("GPUDIST_CHECK_CALLS", False)
     import torch.distributed as dist
 
     launch = detect_launch()
@@ -236,8 +246,6 @@ def init(
             backend = "mpi"
         else:
             backend = "gloo"
-    if backend not in ("nccl", "gloo", "mpi"):
-        raise LaunchError(f"unknown backend {backend!r}; use auto, nccl, gloo or mpi")
 
     if backend == "mpi":
         from .transport.mpi import MPITransport
@@ -270,11 +278,9 @@ def init(
     control = Control(control_store, launch.rank, launch.size, timeout)
     control.register_process()
     transport.control = control
-    cache = int(os.environ.get("GPUDIST_PLAN_CACHE", "8"))
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
-    _WORLD.check_calls = _any_rank(_WORLD, os.environ.get("GPUDIST_CHECK_CALLS", "0") not in (
-        "0", "", "no", "false"))
+    _WORLD.check_calls = _any_rank(_WORLD, check_calls)
     if launch.size > 1:
         _install_excepthook()
         atexit.register(_at_exit)
@@ -360,7 +366,7 @@ _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
 # seconds the interpreter's teardown (exit handlers included) may take after an uncaught
 # error before SIGALRM ends the process
-EXIT_TEARDOWN_S = int(os.environ.get("GPUDIST_EXIT_TEARDOWN_S", "10"))
+EXIT_TEARDOWN_S = int(number("GPUDIST_EXIT_TEARDOWN_S", 10, integer=True))
 
 
 def _excepthook(kind, value, tb) -> None:

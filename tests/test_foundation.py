@@ -348,3 +348,63 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- settings from the environment
+def test_environment_settings_are_checked(monkeypatch):
+    """GPUDIST_* values: the accepted forms, and a LaunchError naming the variable for
+    others ('off' turned the call check on; 'abc' was a bare ValueError at import)."""
+    from gpudist.envvars import flag, number
+    from gpudist.errors import LaunchError
+
+    for raw, want in (("1", True), ("Yes", True), ("on", True), ("off", False),
+                      ("FALSE", False), ("0", False), ("", False)):
+        monkeypatch.setenv("GPUDIST_X", raw)
+        assert flag("GPUDIST_X", not want) is want, raw
+    monkeypatch.delenv("GPUDIST_X")
+    assert flag("GPUDIST_X", True) is True and number("GPUDIST_X", 2.5) == 2.5
+    for raw in ("maybe", "2"):
+        monkeypatch.setenv("GPUDIST_X", raw)
+        with pytest.raises(LaunchError, match="GPUDIST_X"):
+            flag("GPUDIST_X", False)
+    monkeypatch.setenv("GPUDIST_X", "0.5")
+    assert number("GPUDIST_X", 1.0) == 0.5
+    for raw, kw in (("abc", {}), ("-1", {}), ("nan", {}), ("0", {"strict": True}),
+                    ("0", {"minimum": 1, "integer": True}), ("1.5", {"integer": True})):
+        monkeypatch.setenv("GPUDIST_X", raw)
+        with pytest.raises(LaunchError, match=f"GPUDIST_X='{raw}'"):
+            number("GPUDIST_X", 1.0, **kw)
+
+
+@pytest.mark.parametrize("var,value", [("GPUDIST_CHECK_CALLS", "off"),
+                                       ("GPUDIST_DIAG_AFTER", "abc"),
+                                       ("GPUDIST_COMM_TIMEOUT", "0"),
+                                       ("GPUDIST_PLAN_CACHE", "0")])
+def test_a_bad_setting_is_named_at_init(var, value):
+    """In a fresh process: the bad value is a LaunchError naming it (an 'off' flag: off)."""
+    p = subprocess.run([sys.executable, "-c",
+                        "import gpudist; print('check', gpudist.init().check_calls)"],
+                       env=dict(os.environ, **{var: value}), capture_output=True, text=True,
+                       timeout=120)
+    if value == "off":
+        assert p.returncode == 0 and "check False" in p.stdout, p.stdout + p.stderr
+    else:
+        assert p.returncode != 0 and "LaunchError" in p.stderr and var in p.stderr, p.stderr
+
+
+def test_init_again_with_another_backend_is_refused():
+    """A joined world is returned by init(); asking for another backend (or an unknown
+    one) is a LaunchError, not the joined world silently."""
+    p = subprocess.run([sys.executable, "-c", """
+import gpudist
+from gpudist.errors import LaunchError
+w = gpudist.init(backend="gloo")
+assert gpudist.init() is w and gpudist.init(backend="gloo") is w
+for b in ("mpi", "nosuch"):
+    try:
+        gpudist.init(backend=b)
+    except LaunchError as e:
+        print("refused", b, str(e)[:60])
+"""], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "refused mpi" in p.stdout and "refused nosuch" in p.stdout, p.stdout

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from ..control import Label, label_text
+from ..envvars import flag
 from ..errors import DeviceError, WorldAborted
 from .base import (
     P2P,
@@ -51,9 +52,8 @@ def _mpi():
 
 def cuda_aware() -> bool:
     """Whether the MPI library accepts device pointers (env GPUDIST_MPI_CUDA_AWARE overrides)."""
-    env = os.environ.get("GPUDIST_MPI_CUDA_AWARE")
-    if env is not None:
-        return env not in ("0", "false", "no", "")
+    if os.environ.get("GPUDIST_MPI_CUDA_AWARE") is not None:
+        return flag("GPUDIST_MPI_CUDA_AWARE", False)
     MPI = _mpi()
     q = getattr(MPI, "Query_cuda_support", None)
     try:
@@ -75,10 +75,10 @@ class MPITransport(Transport):
         self.rank, self.size, self.timeout = self.comm.Get_rank(), self.comm.Get_size(), timeout
         self.cuda_aware = cuda_aware()
         if stage_all is None:
-            stage_all = os.environ.get("GPUDIST_FORCE_STAGING", "0") not in ("0", "", "no")
+            stage_all = flag("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all
         # persistent requests for halo steps and reduces (env GPUDIST_MPI_PERSISTENT=0: none)
-        self.persistent = os.environ.get("GPUDIST_MPI_PERSISTENT", "1") not in ("0", "", "no")
+        self.persistent = flag("GPUDIST_MPI_PERSISTENT", True)
         # MPICH moves messages only inside MPI calls unless asked for a progress thread
         self.progresses_alone = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in (
             "0", "", "no", "false")

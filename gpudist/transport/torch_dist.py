@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..control import Label, label_text
+from ..envvars import flag
 from ..errors import CommTimeout, DeviceError
 from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
@@ -116,7 +116,7 @@ class TorchDistTransport(Transport):
         self.backend = dist.get_backend()
         self.name = f"torch.distributed/{self.backend}"
         if stage_all is None:
-            stage_all = os.environ.get("GPUDIST_FORCE_STAGING", "0") not in ("0", "", "no")
+            stage_all = flag("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all and self.backend != "nccl"
         self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
