@@ -15,8 +15,10 @@ message saying what to use instead.
 from __future__ import annotations
 
 import math
+import operator
 import zlib
 from collections.abc import Sequence
+from contextlib import nullcontext as _nothing
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -308,10 +310,24 @@ class DistTensor:
                    global_shape: Sequence[int] | None = None) -> DistTensor:
         """Wrap this rank's block. Without ``global_shape`` the blocks' shapes are
         exchanged over ``partition`` once (collective) and checked to tile a tensor."""
+        if not isinstance(local, torch.Tensor) or not isinstance(partition, Partition):
+            with partition.world.control.scope("DistTensor.from_local") if isinstance(
+                    partition, Partition) else _nothing():
+                raise TypeError(
+                    f"DistTensor.from_local(local, partition, global_shape): local must be "
+                    f"a torch.Tensor and partition a gpudist.Partition, got "
+                    f"{type(local).__name__} and {type(partition).__name__}")
         if global_shape is None:
             from .meta import derive_spec
 
             return cls(local, derive_spec(partition, local, "DistTensor.from_local"))
+        try:
+            global_shape = tuple(operator.index(n) for n in global_shape)
+        except TypeError:
+            with partition.world.control.scope("DistTensor.from_local"):
+                raise ShapeError(
+                    f"DistTensor.from_local: global_shape must be a sequence of integers, "
+                    f"got {global_shape!r}") from None
         if not partition.active and local.numel() == 0:
             local = local.reshape((0,) * len(tuple(global_shape)))
         return cls(local, TensorSpec.of(local, partition, global_shape))
@@ -343,6 +359,21 @@ class DistTensor:
 
     def dim(self) -> int:
         return self.spec.ndim
+
+    def numel(self) -> int:
+        """The global number of elements (as ``shape`` is the global shape)."""
+        return self.spec.numel
+
+    def __len__(self) -> int:
+        if not self.spec.ndim:
+            raise TypeError("len() of a 0-d DistTensor")
+        return self.spec.global_shape[0]
+
+    def __getitem__(self, index):
+        raise TypeError(_unsupported("does not support indexing"))
+
+    def __setitem__(self, index, value):
+        raise TypeError(_unsupported("does not support item assignment"))
 
     @property
     def requires_grad(self) -> bool:
@@ -471,6 +502,8 @@ class DistTensor:
             return lambda *a, **k: DistTensor.__torch_function__(f, (DistTensor,), (self, *a), k)
         if callable(f):
             raise AttributeError(_unsupported(f"has no .{name}()"))
+        if f is not None:  # a property of torch.Tensor's (x.T, x.mT, x.real, ...)
+            raise AttributeError(_unsupported(f"has no .{name}"))
         raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
 
     def __pow__(self, o):

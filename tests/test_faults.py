@@ -1164,6 +1164,55 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
         assert "summands" in o["pow_summands"] and "summands" in o["gt_summands"], o
 
 
+def _sizes_and_refusals():
+    """What a DistTensor says of its size (the global tensor's, as its shape), and its
+    refusals of indexing and torch.Tensor properties (fuzz-found: x.numel() was refused
+    though the shape is global; x[0], x[0] = 1, x.T were Python's bare errors)."""
+    P = Partition.grid((2, 1))
+    x = DistTensor.from_local(torch.ones(3, 2), P, (6, 2))
+    out = {"numel": x.numel(), "len": len(x), "shape": tuple(x.shape)}
+    for name, f in (("index", lambda: x[0]), ("assign", lambda: x.__setitem__(0, 1.0)),
+                    ("T", lambda: x.T)):
+        try:
+            f()
+            out[name] = "no error"
+        except (TypeError, AttributeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_disttensor_sizes_and_refusals(cluster):
+    for o in cluster.run(2, _sizes_and_refusals):
+        assert (o["numel"], o["len"], o["shape"]) == (12, 6, (6, 2)), o
+        assert o["index"].startswith("TypeError") and "does not support indexing" in \
+            o["index"], o
+        assert o["assign"].startswith("TypeError") and "item assignment" in o["assign"], o
+        assert o["T"].startswith("AttributeError") and "has no .T" in o["T"] and \
+            "x.local" in o["T"], o
+
+
+def _from_local_bad(which):
+    P = Partition.grid((2, 1))
+    if which == "list" and gpudist.world().rank == 1:  # one rank's bad argument: posted
+        DistTensor.from_local([1.0, 2.0], P, (4,))
+    if which == "float_shape":  # (6.5 was silently 6)
+        DistTensor.from_local(torch.ones(3, 2), P, (6.5, 2))
+    AllSumReduce(P, axes=(0,))(DistTensor.from_local(torch.ones(3, 2), P, (6, 2)))
+
+
+@pytest.mark.parametrize("which,err,text", [
+    ("list", "TypeError", "local must be a torch.Tensor"),
+    ("float_shape", "ShapeError", "global_shape must be a sequence of integers")])
+def test_from_local_bad_arguments(cluster, which, err, text):
+    errs = cluster.run(2, _from_local_bad, which, expect_error=True)
+    raisers = [1] if which == "list" else [0, 1]
+    for r in raisers:
+        assert errs[r] is not None and errs[r].type == err and text in errs[r].message, errs
+    for r in set(range(2)) - set(raisers):  # told through the control plane
+        assert errs[r] is not None and errs[r].type == "RemoteError" and text in \
+            errs[r].message, errs
+
+
 def _flatten_placements():
     """flatten of a tensor not split the standard way (partition dim 0 splitting tensor
     dim 1) handed back wrong blocks under a flat spec; a standard one still flattens."""
