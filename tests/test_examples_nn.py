@@ -3,6 +3,8 @@
 produce their plots and JSON results."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -290,3 +292,23 @@ def test_transformer_cli_usage(capsys):
 
     assert main(["--ranks", "3"]) == 2
     assert "4 heads to split evenly" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("example,args,text", [
+    ("transformer", ["--heads", "0"], "--heads: must be a positive int"),
+    ("transformer", ["--lr", "-1"], "--lr: must be a positive float"),
+    ("transformer", ["--clip", "-1"], "--clip: must be a positive float"),
+    ("transformer", ["--context", "100000"], "--context must be below the corpus"),
+    ("fno", ["--lr", "nan"], "--lr: must be a positive float"),
+    ("fno", ["--timeout", "0"], "--timeout: must be a positive float"),
+    ("lenet5", ["--timeout", "-1"], "--timeout: must be a positive float"),
+    ("lenet5", ["--steps", "0"], "--steps: must be a positive int"),
+    ("lenet5", ["--test-limit", "0"], "--test-limit: must be a positive int"),
+])
+def test_example_cli_refuses_bad_values(example, args, text):
+    """A usage error with exit code 2, never a traceback (fuzz-found: ZeroDivisionError for
+    --heads 0, Adam's ValueError for --lr -1, a CommTimeout for --timeout 0; --clip -1
+    flipped the gradients, --steps 0 trained nothing, --test-limit 0 tested everything)."""
+    p = subprocess.run([sys.executable, "-m", f"gpudist.examples.{example}", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and text in p.stderr and "Traceback" not in p.stderr, p.stderr

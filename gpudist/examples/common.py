@@ -3,9 +3,11 @@ progress bar, the loss plots and the results files."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -158,6 +160,22 @@ def run_example(task: Callable, a, make_config: Callable, check: Callable[[], No
     return 0
 
 
+def positive(kind: type = float):
+    """An argparse type: a finite number above 0 (``kind`` int or float)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, not "
+                                             f"{text!r}")
+        return v
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def add_run_args(p, name: str) -> None:
     """The options every example's CLI has: backend, seed, dtype, output folder,
     communication timeout, progress bar."""
@@ -165,5 +183,6 @@ def add_run_args(p, name: str) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
     p.add_argument("--out", default=f"results/{name}", help="directory for plot and JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="communication timeout (s)")
+    p.add_argument("--timeout", type=positive(), default=120.0,
+                   help="communication timeout (s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

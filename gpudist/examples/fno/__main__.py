@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from ..common import UsageError, add_run_args, run_example
+from ..common import UsageError, add_run_args, positive, run_example
 from .train import Config, task
 
 
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="FNO layers (default 2)")
     p.add_argument("--n-train", type=int, default=256)
     p.add_argument("--n-test", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive(), default=3e-3)
     add_run_args(p, "fno")
     return p.parse_args(argv)
 

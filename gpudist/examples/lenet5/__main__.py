@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import mnist
-from ..common import DTYPES, UsageError, launch_example
+from ..common import DTYPES, UsageError, launch_example, positive
 from .network import layout_for, supported_ranks
 from .train import Config, quiet, rank_task, run_rank
 
@@ -40,15 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "steps; float32 is faster but lets round-off grow over training")
     p.add_argument("--seed", type=int, default=0, help="trial t uses seed + t")
     p.add_argument("--trials", type=int, default=1, help="trainings to average (paper: 50)")
-    p.add_argument("--steps", type=int, default=None, help="max training steps per epoch")
-    p.add_argument("--test-limit", type=int, default=None, help="test on the first N images")
+    p.add_argument("--steps", type=positive(int), default=None,
+                   help="max training steps per epoch")
+    p.add_argument("--test-limit", type=positive(int), default=None,
+                   help="test on the first N images")
     p.add_argument("--quick", action="store_true",
                    help="short run: 1 epoch of 10 steps, 1000 test images")
     p.add_argument("--out", default="results/lenet5", help="directory for plot and JSON")
     p.add_argument("--launcher", choices=["auto", "spawn", "env"], default="auto",
                    help="spawn: start --ranks local processes; env: join the job of "
                         "torchrun/mpiexec/srun; auto: env under a launcher, else spawn")
-    p.add_argument("--timeout", type=float, default=120.0, help="communication timeout (s)")
+    p.add_argument("--timeout", type=positive(), default=120.0,
+                   help="communication timeout (s)")
     p.add_argument("--seq-threads", type=int, default=0,
                    help="torch threads of the sequential run (0: all CPU cores)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

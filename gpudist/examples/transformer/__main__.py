@@ -13,8 +13,8 @@ import argparse
 import sys
 import time
 
-from ..common import UsageError, add_run_args, run_example
-from .network import check_layout
+from ..common import UsageError, add_run_args, positive, run_example
+from .network import CORPUS, check_layout
 from .train import Config, task
 
 
@@ -30,10 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--context", type=int, default=32, help="characters per sequence")
     p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--heads", type=positive(int), default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--clip", type=float, default=None,
+    p.add_argument("--lr", type=positive(), default=1e-2)
+    p.add_argument("--clip", type=positive(), default=None,
                    help="clip gradients to this norm of the whole model (default: off)")
     add_run_args(p, "transformer")
     return p.parse_args(argv)
@@ -48,6 +48,9 @@ def config_from(a: argparse.Namespace) -> Config:
 
 def check(a: argparse.Namespace) -> None:
     check_layout(a.ranks, a.context, a.dim, a.heads)
+    if a.context > len(CORPUS) - 2:
+        raise UsageError(f"--context must be below the corpus' {len(CORPUS) - 1} "
+                         f"characters, got {a.context}")
     for name in ("steps", "batch_size", "layers"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
