@@ -84,12 +84,11 @@ TARGETS = [
 
 
 def _verdict(r: dict, bar: float) -> str:
-    """met (paired ratio at or under the bar), not met (its whole interval above), or
-    unclear (the interval holds the bar); the ratio of medians where no pairs exist."""
-    p = r.get("paired")
-    if p in (None, ""):
+    """met (the paired ratio's whole ~95 % interval at or under the bar), not met (all of
+    it above), or unclear (it holds the bar); the ratio of medians where no pairs exist."""
+    if r.get("paired") in (None, ""):
         return "met" if float(r["ratio"]) <= bar else "not met"
-    if float(p) <= bar:
+    if float(r["paired_hi"]) <= bar:
         return "met"
     return "not met" if float(r["paired_lo"]) > bar else "unclear"
 

@@ -46,7 +46,7 @@ ABORT_EVERY_S = 0.02
 SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
-DEFAULT_DIAG_AFTER_S = number("GPUDIST_DIAG_AFTER", 2.0)
+DEFAULT_DIAG_AFTER_S = number("GPUDIST_DIAG_AFTER", 2.0, infinite=True)
 
 
 class Op(NamedTuple):
@@ -138,7 +138,7 @@ class Control:
         self._op: Op | None = None
         self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
-        self.spin_s = number("GPUDIST_SPIN_S", SPIN_S)
+        self.spin_s = number("GPUDIST_SPIN_S", SPIN_S, infinite=True)
         self.nap_max_s = number("GPUDIST_NAP_MAX_S", NAP_MAX_S)
 
     # -- which peers still run ----------------------------------------------------------

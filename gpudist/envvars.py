@@ -28,9 +28,9 @@ def flag(name: str, default: bool) -> bool:
 
 
 def number(name: str, default: float, *, minimum: float = 0.0, strict: bool = False,
-           integer: bool = False) -> float:
-    """A number at least ``minimum`` (above it if ``strict``), finite; an int if
-    ``integer``."""
+           integer: bool = False, infinite: bool = False) -> float:
+    """A number at least ``minimum`` (above it if ``strict``), finite unless ``infinite``
+    (``inf``: never, e.g. no diagnostics); an int if ``integer``."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -38,9 +38,47 @@ def number(name: str, default: float, *, minimum: float = 0.0, strict: bool = Fa
         v = int(raw) if integer else float(raw)
     except ValueError:
         v = None
-    bad = v is None or not math.isfinite(v) or v < minimum or (strict and v == minimum)
+    bad = (v is None or math.isnan(v) or (math.isinf(v) and not (infinite and v > 0))
+           or v < minimum or (strict and v == minimum))
     if bad:
         kind = "an integer" if integer else "a number"
         bound = f"above {minimum:g}" if strict else f"at least {minimum:g}"
-        raise LaunchError(f"environment variable {name}={raw!r}: use {kind} {bound}")
+        raise LaunchError(f"environment variable {name}={raw!r}: use {kind} {bound}"
+                          + (" (or inf)" if infinite else ""))
     return v
+
+
+def choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """One of ``choices`` (unset or empty: None)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    if raw not in choices:
+        raise LaunchError(f"environment variable {name}={raw!r}: use one of "
+                          f"{', '.join(choices)}")
+    return raw
+
+
+# the settings a process reads, each with its parser: check_all() reads them all at once
+# (gpudist.init() calls it before it joins anything, so a bad value stops every rank that
+# has it there, not half-way into the process group)
+SETTINGS = {
+    "GPUDIST_COMM_TIMEOUT": lambda n: number(n, 120.0, strict=True),
+    "GPUDIST_DIAG_AFTER": lambda n: number(n, 2.0, infinite=True),
+    "GPUDIST_SPIN_S": lambda n: number(n, 0.04, infinite=True),
+    "GPUDIST_NAP_MAX_S": lambda n: number(n, 1e-4),
+    "GPUDIST_PLAN_CACHE": lambda n: number(n, 8, minimum=1, integer=True),
+    "GPUDIST_EXIT_TEARDOWN_S": lambda n: number(n, 10, integer=True),
+    "GPUDIST_CHECK_CALLS": lambda n: flag(n, False),
+    "GPUDIST_FORCE_STAGING": lambda n: flag(n, False),
+    "GPUDIST_MPI_PERSISTENT": lambda n: flag(n, True),
+    "GPUDIST_MPI_CUDA_AWARE": lambda n: flag(n, False),
+    "GPUDIST_PACKER_AUTOTUNE": lambda n: flag(n, False),
+    "GPUDIST_PACKER": lambda n: choice(n, ("torch", "numba", "cupy")),
+}
+
+
+def check_all() -> None:
+    """Read every setting above: a bad value raises its LaunchError here."""
+    for name, read in SETTINGS.items():
+        read(name)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .control import Control
-from .envvars import flag, number
+from .envvars import check_all, flag, number
 from .errors import GpudistError, LaunchError
 from .transport.base import Transport
 
@@ -175,7 +175,8 @@ def reset() -> None:
     """Forget the world without talking to anyone (a forked child must not use its
     parent's world; after an abort nothing collective is possible)."""
     global _WORLD, _STORE
-    _WORLD = _STORE = None  # (a forked child must not use its parent's store's socket)
+    _WORLD = _STORE = None  # (a forked child must not use its parent's store's socket;
+    # _JOINED stays: children inherit the same count, so they agree on the next prefix)
     _uninstall_excepthook()
 
 
@@ -228,7 +229,7 @@ def init(
         return _WORLD
     if timeout is None:
         timeout = number("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, strict=True)
-    # every setting read before anything is joined: a bad one raises here
+    check_all()  # every setting read before anything is joined: a bad one raises here
     cache = int(number("GPUDIST_PLAN_CACHE", 8, minimum=1, integer=True))
     check_calls = flag("GPUDIST_CHECK_CALLS", False)
     import torch.distributed as dist

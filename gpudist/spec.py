@@ -263,6 +263,12 @@ _SCALING = {
 _DIVISION = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__, torch.Tensor.div_}
 
 
+# torch.Tensor attributes that say what the block is, alike on every rank (a DistTensor
+# answers them from its block); the other non-callable ones (x.T, x.mT, x.real) are refused
+_BLOCK_FACTS = frozenset({"is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+                          "is_mkldnn", "layout", "is_leaf", "grad_fn"})
+
+
 def _unsupported(what: str) -> str:
     """The refusal of ``what`` ("does not support cat", "has no .sum()")."""
     return (f"gpudist.DistTensor {what}: its result would depend on how the "
@@ -322,6 +328,8 @@ class DistTensor:
 
             return cls(local, derive_spec(partition, local, "DistTensor.from_local"))
         try:
+            if any(isinstance(n, bool) for n in global_shape):  # (True is an int)
+                raise TypeError
             global_shape = tuple(operator.index(n) for n in global_shape)
         except TypeError:
             with partition.world.control.scope("DistTensor.from_local"):
@@ -502,6 +510,8 @@ class DistTensor:
             return lambda *a, **k: DistTensor.__torch_function__(f, (DistTensor,), (self, *a), k)
         if callable(f):
             raise AttributeError(_unsupported(f"has no .{name}()"))
+        if name in _BLOCK_FACTS:
+            return getattr(self.local, name)
         if f is not None:  # a property of torch.Tensor's (x.T, x.mT, x.real, ...)
             raise AttributeError(_unsupported(f"has no .{name}"))
         raise AttributeError(f"'DistTensor' object has no attribute {name!r}")

@@ -298,7 +298,7 @@ def test_transformer_cli_usage(capsys):
     ("transformer", ["--heads", "0"], "--heads: must be a positive int"),
     ("transformer", ["--lr", "-1"], "--lr: must be a positive float"),
     ("transformer", ["--clip", "-1"], "--clip: must be a positive float"),
-    ("transformer", ["--context", "100000"], "--context must be below the corpus"),
+    ("transformer", ["--context", "100000"], "--context must be at most"),
     ("fno", ["--lr", "nan"], "--lr: must be a positive float"),
     ("fno", ["--timeout", "0"], "--timeout: must be a positive float"),
     ("lenet5", ["--timeout", "-1"], "--timeout: must be a positive float"),

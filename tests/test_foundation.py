@@ -332,9 +332,14 @@ def test_join_again_after_finalize(launcher, tmp_path):
     try:
         for p in procs:
             outs.append(p.communicate(timeout=120)[0])
-    finally:
+    finally:  # (a launcher asked to stop ends its ranks; killed, it would orphan them)
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
     text = "\n".join(outs)
     assert all(p.returncode == 0 for p in procs), text[-3000:]
     for r in range(2):
@@ -379,17 +384,31 @@ def test_environment_settings_are_checked(monkeypatch):
 @pytest.mark.parametrize("var,value", [("GPUDIST_CHECK_CALLS", "off"),
                                        ("GPUDIST_DIAG_AFTER", "abc"),
                                        ("GPUDIST_COMM_TIMEOUT", "0"),
-                                       ("GPUDIST_PLAN_CACHE", "0")])
+                                       ("GPUDIST_PLAN_CACHE", "0"),
+                                       ("GPUDIST_FORCE_STAGING", "maybe"),
+                                       ("GPUDIST_SPIN_S", "-1"),
+                                       ("GPUDIST_PACKER", "bogus")])
 def test_a_bad_setting_is_named_at_init(var, value):
-    """In a fresh process: the bad value is a LaunchError naming it (an 'off' flag: off)."""
-    p = subprocess.run([sys.executable, "-c",
-                        "import gpudist; print('check', gpudist.init().check_calls)"],
-                       env=dict(os.environ, **{var: value}), capture_output=True, text=True,
-                       timeout=120)
+    """In a fresh process: the bad value is a LaunchError naming it, before anything is
+    joined (the transports' and the control plane's were read after the process group
+    existed); an 'off' switch is off."""
+    code = """
+import torch.distributed as dist
+try:
+    import gpudist
+    print('check', gpudist.init().check_calls)
+except gpudist.LaunchError as e:
+    print('refused:', e, '| joined:', dist.is_initialized())
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{var: value}),
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
     if value == "off":
-        assert p.returncode == 0 and "check False" in p.stdout, p.stdout + p.stderr
+        assert p.returncode == 0 and "check False" in out, out
+    elif var == "GPUDIST_DIAG_AFTER":  # read at import: the import fails
+        assert p.returncode != 0 and "LaunchError" in out and var in out, out
     else:
-        assert p.returncode != 0 and "LaunchError" in p.stderr and var in p.stderr, p.stderr
+        assert f"refused: environment variable {var}" in out and "joined: False" in out, out
 
 
 def test_init_again_with_another_backend_is_refused():

@@ -160,14 +160,15 @@ def run_example(task: Callable, a, make_config: Callable, check: Callable[[], No
     return 0
 
 
-def positive(kind: type = float):
-    """An argparse type: a finite number above 0 (``kind`` int or float)."""
+def positive(kind: type = float, infinite: bool = False):
+    """An argparse type: a number above 0 (``kind`` int or float), finite unless
+    ``infinite``."""
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             v = None
-        if v is None or not math.isfinite(v) or v <= 0:
+        if v is None or math.isnan(v) or (math.isinf(v) and not infinite) or v <= 0:
             raise argparse.ArgumentTypeError(f"must be a positive {kind.__name__}, not "
                                              f"{text!r}")
         return v

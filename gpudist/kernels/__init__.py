@@ -23,7 +23,6 @@ CUDA. A preference that cannot serve the device falls back to that default.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from ..envvars import choice, flag
 from .regions import Box, Regions, normalize, total_numel
 from .torch_pack import TorchPacker
 
@@ -105,13 +105,13 @@ def get_packer(device: str | torch.device, dtype: torch.dtype = torch.float32,
                prefer: str | None = None) -> Packer:
     """The packer to use for tensors of ``dtype`` on ``device`` (see module docs)."""
     dev = torch.device(device)
-    for name in (prefer, os.environ.get("GPUDIST_PACKER") or None):
+    for name in (prefer, choice("GPUDIST_PACKER", ("torch", "numba", "cupy"))):
         if name:
             p = _resolve(name, dev)
             if p is not None:
                 return p
     key = (dev.type, dtype)
-    if key not in _TUNED and os.environ.get("GPUDIST_PACKER_AUTOTUNE") == "1":
+    if key not in _TUNED and flag("GPUDIST_PACKER_AUTOTUNE", False):
         autotune(dev, dtype)
     if key in _TUNED:
         p = _resolve(_TUNED[key], dev)

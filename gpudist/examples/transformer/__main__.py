@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=positive(int), default=4, help="attention heads (default 4)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--lr", type=positive(), default=1e-2)
-    p.add_argument("--clip", type=positive(), default=None,
+    p.add_argument("--clip", type=positive(infinite=True), default=None,
                    help="clip gradients to this norm of the whole model (default: off)")
     add_run_args(p, "transformer")
     return p.parse_args(argv)
@@ -49,8 +49,8 @@ def config_from(a: argparse.Namespace) -> Config:
 def check(a: argparse.Namespace) -> None:
     check_layout(a.ranks, a.context, a.dim, a.heads)
     if a.context > len(CORPUS) - 2:
-        raise UsageError(f"--context must be below the corpus' {len(CORPUS) - 1} "
-                         f"characters, got {a.context}")
+        raise UsageError(f"--context must be at most {len(CORPUS) - 2} (the corpus has "
+                         f"{len(CORPUS)} characters), got {a.context}")
     for name in ("steps", "batch_size", "layers"):
         if getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
