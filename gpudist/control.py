@@ -139,7 +139,7 @@ class Control:
         self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
         self.spin_s = number("GPUDIST_SPIN_S", SPIN_S, infinite=True)
-        self.nap_max_s = number("GPUDIST_NAP_MAX_S", NAP_MAX_S)
+        self.nap_max_s = number("GPUDIST_NAP_MAX_S", NAP_MAX_S, maximum=1.0)
 
     # -- which peers still run ----------------------------------------------------------
     def register_process(self) -> None:

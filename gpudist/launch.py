@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .envvars import number
 
-DEFAULT_COMM_TIMEOUT_S = number("GPUDIST_COMM_TIMEOUT", 60.0, strict=True)
+DEFAULT_COMM_TIMEOUT_S = number("GPUDIST_COMM_TIMEOUT", 60.0, minimum=1.0, maximum=1e8)
 
 
 @dataclass

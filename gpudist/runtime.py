@@ -158,6 +158,9 @@ _WORLD: World | None = None  # the process group; set by init(), cleared by fina
 # one's keys and hung connecting to its closed ports). Every rank joins the same worlds.
 _STORE: tuple[object, object] | None = None  # (launcher address, store)
 _JOINED = 0
+# the error that aborted this process's last world: its process group cannot be torn down
+# (a collective may be left in flight) nor reused, so no other world can be joined here
+_ABORTED: str | None = None
 
 
 def world() -> World:
@@ -174,8 +177,8 @@ def is_initialized() -> bool:
 def reset() -> None:
     """Forget the world without talking to anyone (a forked child must not use its
     parent's world; after an abort nothing collective is possible)."""
-    global _WORLD, _STORE
-    _WORLD = _STORE = None  # (a forked child must not use its parent's store's socket;
+    global _WORLD, _STORE, _ABORTED
+    _WORLD = _STORE = _ABORTED = None  # (a forked child must not use its parent's store;
     # _JOINED stays: children inherit the same count, so they agree on the next prefix)
     _uninstall_excepthook()
 
@@ -227,14 +230,25 @@ def init(
                 f"gpudist.init(backend={backend!r}): this process has joined a "
                 f"{_WORLD.backend} world already; call gpudist.finalize() first")
         return _WORLD
-    if timeout is None:
-        timeout = number("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, strict=True)
-    check_all()  # every setting read before anything is joined: a bad one raises here
+    if _ABORTED is not None:
+        raise LaunchError(
+            f"gpudist.init(): this process's last world was aborted ({_ABORTED}); its "
+            f"process group can neither be reused nor torn down safely, so no new world can "
+            f"be joined in this process: start the job again")
+    launch = detect_launch()
+    try:  # every setting read before anything is joined: a bad one raises here
+        check_all()
+        if timeout is None:
+            timeout = number("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, minimum=1.0,
+                             maximum=1e8)
+    except LaunchError as e:
+        if launch.launcher == "mpi" and launch.size > 1 and rank is None:
+            _abort_mpi_job(e)  # (its peers would wait in MPI's start-up forever)
+        raise
     cache = int(number("GPUDIST_PLAN_CACHE", 8, minimum=1, integer=True))
     check_calls = flag("GPUDIST_CHECK_CALLS", False)
     import torch.distributed as dist
 
-    launch = detect_launch()
     if rank is not None:
         launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
     dev = _pick_device(device, launch.local_rank)
@@ -298,6 +312,16 @@ def _any_rank(w: World, flag: bool) -> bool:
     tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag)]), tr.group(range(w.size)))],
             "the settings exchange of gpudist.init")
     return bool(out.any())
+
+
+def _abort_mpi_job(err: Exception) -> None:
+    """A setting refused on some ranks of an mpiexec job: say so and end the whole job, as
+    an uncaught error does under MPI (the other ranks are waiting in MPI's start-up)."""
+    print(f"gpudist: {type(err).__name__}: {err}; ending the MPI job", file=sys.stderr,
+          flush=True)
+    from .transport.mpi import _mpi
+
+    _mpi().COMM_WORLD.Abort(1)
 
 
 def _launcher_store(launch: LaunchEnv, td: datetime.timedelta):
@@ -367,7 +391,8 @@ _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
 # seconds the interpreter's teardown (exit handlers included) may take after an uncaught
 # error before SIGALRM ends the process
-EXIT_TEARDOWN_S = int(number("GPUDIST_EXIT_TEARDOWN_S", 10, integer=True))
+EXIT_TEARDOWN_S = int(number("GPUDIST_EXIT_TEARDOWN_S", 10, minimum=1, maximum=86400,
+                             integer=True))
 
 
 def _excepthook(kind, value, tb) -> None:
@@ -448,6 +473,8 @@ def finalize() -> None:
     w, _WORLD = _WORLD, None
     _uninstall_excepthook()
     if w.control.aborted is not None:
+        global _ABORTED
+        _ABORTED = str(w.control.aborted)[:300]
         return
     try:
         if w.size > 1:

@@ -443,6 +443,8 @@ class DistTensor:
         kwargs = kwargs or {}
         operands = list(args) + list(kwargs.values())
         dts = [a for a in operands if isinstance(a, DistTensor)]
+        if func in (torch.numel, torch.Tensor.numel) and len(args) == 1 and dts:
+            return dts[0].spec.numel  # (the global count, as x.numel())
         name = getattr(func, "__name__", getattr(func, "__qualname__", str(func)))
         if not dts or not (func in _UNARY or func in _BINARY):  # e.g. torch.cat([x, y])
             raise raised_everywhere(TypeError(_unsupported(f"does not support {name}")))

@@ -347,6 +347,25 @@ def test_join_again_after_finalize(launcher, tmp_path):
             assert f"rank {r} world {i} gloo [2.0, 2.0]" in text, text[-3000:]
 
 
+def test_join_after_an_aborted_world_is_refused():
+    """After a world aborted by one rank's error: init() again is a LaunchError at once
+    on every rank (it reused the dead process group, and the next collective waited the
+    whole timeout; fuzz-found)."""
+    from tests.harness import ROOT
+
+    script = str(ROOT / "tests" / "rejoin_after_abort.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), REJOIN_BACKEND="gloo")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", script], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    for r in range(2):
+        assert f"rank {r} refused: gpudist.init(): this process's last world was aborted" \
+            in out, out[-3000:]
+    assert "joined again" not in out and time.monotonic() - t0 < 60, out[-3000:]
+
+
 def _free_port() -> int:
     import socket
 
@@ -387,7 +406,11 @@ def test_environment_settings_are_checked(monkeypatch):
                                        ("GPUDIST_PLAN_CACHE", "0"),
                                        ("GPUDIST_FORCE_STAGING", "maybe"),
                                        ("GPUDIST_SPIN_S", "-1"),
-                                       ("GPUDIST_PACKER", "bogus")])
+                                       ("GPUDIST_PACKER", "bogus"),
+                                       ("GPUDIST_COMM_TIMEOUT", "1e300"),
+                                       ("GPUDIST_COMM_TIMEOUT", "0.0001"),
+                                       ("GPUDIST_EXIT_TEARDOWN_S", "99999999999"),
+                                       ("GPUDIST_NAP_MAX_S", "1e6")])
 def test_a_bad_setting_is_named_at_init(var, value):
     """In a fresh process: the bad value is a LaunchError naming it, before anything is
     joined (the transports' and the control plane's were read after the process group
@@ -405,7 +428,8 @@ except gpudist.LaunchError as e:
     out = p.stdout + p.stderr
     if value == "off":
         assert p.returncode == 0 and "check False" in out, out
-    elif var == "GPUDIST_DIAG_AFTER":  # read at import: the import fails
+    elif var in ("GPUDIST_DIAG_AFTER", "GPUDIST_EXIT_TEARDOWN_S") or \
+            var == "GPUDIST_COMM_TIMEOUT" and "import gpudist" in out:  # read at import
         assert p.returncode != 0 and "LaunchError" in out and var in out, out
     else:
         assert f"refused: environment variable {var}" in out and "joined: False" in out, out
