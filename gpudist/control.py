@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from .envvars import number
+from .envvars import setting
 from .errors import (
     CommTimeout,
     MismatchError,
@@ -46,7 +46,7 @@ ABORT_EVERY_S = 0.02
 SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
-DEFAULT_DIAG_AFTER_S = number("GPUDIST_DIAG_AFTER", 2.0, infinite=True)
+DEFAULT_DIAG_AFTER_S = setting("GPUDIST_DIAG_AFTER", 2.0)
 
 
 class Op(NamedTuple):
@@ -138,8 +138,8 @@ class Control:
         self._op: Op | None = None
         self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
-        self.spin_s = number("GPUDIST_SPIN_S", SPIN_S, infinite=True)
-        self.nap_max_s = number("GPUDIST_NAP_MAX_S", NAP_MAX_S, maximum=1.0)
+        self.spin_s = setting("GPUDIST_SPIN_S", SPIN_S)
+        self.nap_max_s = setting("GPUDIST_NAP_MAX_S", NAP_MAX_S)
 
     # -- which peers still run ----------------------------------------------------------
     def register_process(self) -> None:

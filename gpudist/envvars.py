@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 from .errors import LaunchError
 
@@ -52,38 +53,42 @@ def number(name: str, default: float, *, minimum: float = 0.0, strict: bool = Fa
     return v
 
 
-def choice(name: str, choices: tuple[str, ...]) -> str | None:
-    """One of ``choices`` (unset or empty: None)."""
+def choice(name: str, default: str | None, *, choices: tuple[str, ...]) -> str | None:
+    """One of ``choices`` (any case; unset or empty: ``default``)."""
     raw = os.environ.get(name)
     if not raw or not raw.strip():
-        return None
+        return default
     if raw.strip().lower() not in choices:
         raise LaunchError(f"environment variable {name}={raw!r}: use one of "
                           f"{', '.join(choices)}")
     return raw.strip().lower()
 
 
-# the settings a process reads, each with its parser: check_all() reads them all at once
-# (gpudist.init() calls it before it joins anything, so a bad value stops every rank that
-# has it there, not half-way into the process group)
+# every setting with its form and range (the defaults stay where each is used): read them
+# through setting(); check_all() reads them all at once (gpudist.init() calls it before it
+# joins anything, so a bad value stops the rank that has it there, not half-way in)
 SETTINGS = {
-    "GPUDIST_COMM_TIMEOUT": lambda n: number(n, 120.0, minimum=1.0, maximum=1e8),
-    "GPUDIST_DIAG_AFTER": lambda n: number(n, 2.0, infinite=True),
-    "GPUDIST_SPIN_S": lambda n: number(n, 0.04, infinite=True),
-    "GPUDIST_NAP_MAX_S": lambda n: number(n, 1e-4, maximum=1.0),
-    "GPUDIST_PLAN_CACHE": lambda n: number(n, 8, minimum=1, integer=True),
-    "GPUDIST_EXIT_TEARDOWN_S": lambda n: number(n, 10, minimum=1, maximum=86400,
-                                                integer=True),
-    "GPUDIST_CHECK_CALLS": lambda n: flag(n, False),
-    "GPUDIST_FORCE_STAGING": lambda n: flag(n, False),
-    "GPUDIST_MPI_PERSISTENT": lambda n: flag(n, True),
-    "GPUDIST_MPI_CUDA_AWARE": lambda n: flag(n, False),
-    "GPUDIST_PACKER_AUTOTUNE": lambda n: flag(n, False),
-    "GPUDIST_PACKER": lambda n: choice(n, ("torch", "numba", "cupy")),
+    "GPUDIST_COMM_TIMEOUT": partial(number, minimum=1.0, maximum=1e8),
+    "GPUDIST_DIAG_AFTER": partial(number, infinite=True),
+    "GPUDIST_SPIN_S": partial(number, infinite=True),
+    "GPUDIST_NAP_MAX_S": partial(number, maximum=1.0),
+    "GPUDIST_PLAN_CACHE": partial(number, minimum=1, integer=True),
+    "GPUDIST_EXIT_TEARDOWN_S": partial(number, minimum=1, maximum=86400, integer=True),
+    "GPUDIST_CHECK_CALLS": flag,
+    "GPUDIST_FORCE_STAGING": flag,
+    "GPUDIST_MPI_PERSISTENT": flag,
+    "GPUDIST_MPI_CUDA_AWARE": flag,
+    "GPUDIST_PACKER_AUTOTUNE": flag,
+    "GPUDIST_PACKER": partial(choice, choices=("torch", "numba", "cupy")),
 }
+
+
+def setting(name: str, default):
+    """The value of setting ``name`` (``default`` where it is not set)."""
+    return SETTINGS[name](name, default)
 
 
 def check_all() -> None:
     """Read every setting above: a bad value raises its LaunchError here."""
     for name, read in SETTINGS.items():
-        read(name)
+        read(name, None)

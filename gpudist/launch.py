@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 
-from .envvars import number
+from .envvars import setting
 
-DEFAULT_COMM_TIMEOUT_S = number("GPUDIST_COMM_TIMEOUT", 60.0, minimum=1.0, maximum=1e8)
+DEFAULT_COMM_TIMEOUT_S = setting("GPUDIST_COMM_TIMEOUT", 60.0)
 
 
 @dataclass

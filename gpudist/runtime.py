@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .control import Control
-from .envvars import check_all, flag, number
+from .envvars import check_all, setting
 from .errors import GpudistError, LaunchError
 from .transport.base import Transport
 
@@ -239,14 +239,13 @@ def init(
     try:  # every setting read before anything is joined: a bad one raises here
         check_all()
         if timeout is None:
-            timeout = number("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S, minimum=1.0,
-                             maximum=1e8)
+            timeout = setting("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S)
     except LaunchError as e:
         if launch.launcher == "mpi" and launch.size > 1 and rank is None:
             _abort_mpi_job(e)  # (its peers would wait in MPI's start-up forever)
         raise
-    cache = int(number("GPUDIST_PLAN_CACHE", 8, minimum=1, integer=True))
-    check_calls = flag("GPUDIST_CHECK_CALLS", False)
+    cache = setting("GPUDIST_PLAN_CACHE", 8)
+    check_calls = setting("GPUDIST_CHECK_CALLS", False)
     import torch.distributed as dist
 
     if rank is not None:
@@ -391,8 +390,7 @@ _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
 # seconds the interpreter's teardown (exit handlers included) may take after an uncaught
 # error before SIGALRM ends the process
-EXIT_TEARDOWN_S = int(number("GPUDIST_EXIT_TEARDOWN_S", 10, minimum=1, maximum=86400,
-                             integer=True))
+EXIT_TEARDOWN_S = setting("GPUDIST_EXIT_TEARDOWN_S", 10)
 
 
 def _excepthook(kind, value, tb) -> None:

@@ -18,7 +18,6 @@ import math
 import operator
 import zlib
 from collections.abc import Sequence
-from contextlib import nullcontext as _nothing
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -316,13 +315,13 @@ class DistTensor:
                    global_shape: Sequence[int] | None = None) -> DistTensor:
         """Wrap this rank's block. Without ``global_shape`` the blocks' shapes are
         exchanged over ``partition`` once (collective) and checked to tile a tensor."""
-        if not isinstance(local, torch.Tensor) or not isinstance(partition, Partition):
-            with partition.world.control.scope("DistTensor.from_local") if isinstance(
-                    partition, Partition) else _nothing():
-                raise TypeError(
-                    f"DistTensor.from_local(local, partition, global_shape): local must be "
-                    f"a torch.Tensor and partition a gpudist.Partition, got "
-                    f"{type(local).__name__} and {type(partition).__name__}")
+        if not isinstance(partition, Partition):
+            raise TypeError(f"DistTensor.from_local: partition must be a gpudist.Partition, "
+                            f"got {type(partition).__name__}")
+        if not isinstance(local, torch.Tensor):
+            with partition.world.control.scope("DistTensor.from_local"):
+                raise TypeError(f"DistTensor.from_local: local must be a torch.Tensor, got "
+                                f"{type(local).__name__}")
         if global_shape is None:
             from .meta import derive_spec
 
@@ -443,7 +442,7 @@ class DistTensor:
         kwargs = kwargs or {}
         operands = list(args) + list(kwargs.values())
         dts = [a for a in operands if isinstance(a, DistTensor)]
-        if func in (torch.numel, torch.Tensor.numel) and len(args) == 1 and dts:
+        if func is torch.numel and len(args) == 1 and dts:
             return dts[0].spec.numel  # (the global count, as x.numel())
         name = getattr(func, "__name__", getattr(func, "__qualname__", str(func)))
         if not dts or not (func in _UNARY or func in _BINARY):  # e.g. torch.cat([x, y])

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from ..envvars import choice, flag
+from ..envvars import setting
 from .regions import Box, Regions, normalize, total_numel
 from .torch_pack import TorchPacker
 
@@ -105,13 +105,13 @@ def get_packer(device: str | torch.device, dtype: torch.dtype = torch.float32,
                prefer: str | None = None) -> Packer:
     """The packer to use for tensors of ``dtype`` on ``device`` (see module docs)."""
     dev = torch.device(device)
-    for name in (prefer, choice("GPUDIST_PACKER", ("torch", "numba", "cupy"))):
+    for name in (prefer, setting("GPUDIST_PACKER", None)):
         if name:
             p = _resolve(name, dev)
             if p is not None:
                 return p
     key = (dev.type, dtype)
-    if key not in _TUNED and flag("GPUDIST_PACKER_AUTOTUNE", False):
+    if key not in _TUNED and setting("GPUDIST_PACKER_AUTOTUNE", False):
         autotune(dev, dtype)
     if key in _TUNED:
         p = _resolve(_TUNED[key], dev)

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from ..control import Label, label_text
-from ..envvars import flag
+from ..envvars import setting
 from ..errors import DeviceError, WorldAborted
 from .base import (
     P2P,
@@ -52,8 +52,9 @@ def _mpi():
 
 def cuda_aware() -> bool:
     """Whether the MPI library accepts device pointers (env GPUDIST_MPI_CUDA_AWARE overrides)."""
-    if os.environ.get("GPUDIST_MPI_CUDA_AWARE") is not None:
-        return flag("GPUDIST_MPI_CUDA_AWARE", False)
+    aware = setting("GPUDIST_MPI_CUDA_AWARE", None)
+    if aware is not None:
+        return aware
     MPI = _mpi()
     q = getattr(MPI, "Query_cuda_support", None)
     try:
@@ -75,10 +76,10 @@ class MPITransport(Transport):
         self.rank, self.size, self.timeout = self.comm.Get_rank(), self.comm.Get_size(), timeout
         self.cuda_aware = cuda_aware()
         if stage_all is None:
-            stage_all = flag("GPUDIST_FORCE_STAGING", False)
+            stage_all = setting("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all
         # persistent requests for halo steps and reduces (env GPUDIST_MPI_PERSISTENT=0: none)
-        self.persistent = flag("GPUDIST_MPI_PERSISTENT", True)
+        self.persistent = setting("GPUDIST_MPI_PERSISTENT", True)
         # MPICH moves messages only inside MPI calls unless asked for a progress thread
         self.progresses_alone = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in (
             "0", "", "no", "false")

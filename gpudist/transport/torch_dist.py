@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..control import Label, label_text
-from ..envvars import flag
+from ..envvars import setting
 from ..errors import CommTimeout, DeviceError
 from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
@@ -116,7 +116,7 @@ class TorchDistTransport(Transport):
         self.backend = dist.get_backend()
         self.name = f"torch.distributed/{self.backend}"
         if stage_all is None:
-            stage_all = flag("GPUDIST_FORCE_STAGING", False)
+            stage_all = setting("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all and self.backend != "nccl"
         self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
