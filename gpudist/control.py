@@ -97,9 +97,8 @@ class _Scope:
         return None
 
     def __exit__(self, kind, e, tb) -> bool:
-        if e is not None and not is_everywhere(e) and not isinstance(
-                e, (KeyboardInterrupt, GeneratorExit, *_CONTROL_FLOW)):
-            self.control.abort(e, self.where)
+        if e is not None:
+            self.control.failed(e, self.where)
         return False
 
 
@@ -185,6 +184,13 @@ class Control:
         except Exception:  # the store is gone too: nothing more to tell
             pass
 
+    def failed(self, e: BaseException, where: str) -> None:
+        """``e`` ends a call in ``where``: posted unless every rank raises it alike (what
+        :meth:`scope` does; for the hot paths that catch instead of entering a scope)."""
+        if not is_everywhere(e) and not isinstance(
+                e, (KeyboardInterrupt, GeneratorExit, *_CONTROL_FLOW)):
+            self.abort(e, where)
+
     def close(self) -> None:
         """The world was finalized: every later call raises :class:`WorldFinalized`."""
         if self.aborted is None:
@@ -235,8 +241,21 @@ class Control:
     # -- operator numbering ---------------------------------------------------------------
     def op(self, group: Sequence[int], what: str, fingerprint: int = 0,
            needs_all: bool = True) -> _Numbered:
-        """Number one operator on ``group`` (every member calls it, in program order)."""
+        """Number one operator on ``group`` (every member calls it, in program order):
+        ``with control.op(...)`` makes it the current operator while inside."""
         key = group if type(group) is tuple else tuple(group)
+        return _Numbered(self, self._number(key, what, fingerprint, needs_all))
+
+    def begin(self, group: tuple[int, ...], what: str, fingerprint: int,
+              needs_all: bool) -> Op | None:
+        """:meth:`op` without the context object (a primitive's call, the hot path):
+        number the operator and make it current; the caller puts the returned previous
+        operator back (``control._op = prev``) when it ends."""
+        prev, self._op = self._op, self._number(group, what, fingerprint, needs_all)
+        return prev
+
+    def _number(self, key: tuple[int, ...], what: str, fingerprint: int, needs_all: bool
+                ) -> Op:
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
         op = _new_op((key, seq, what, fingerprint, needs_all))  # Op(...) without its
@@ -245,7 +264,7 @@ class Control:
         if past is None:
             past = self._past[key] = [None] * HISTORY
         past[seq % HISTORY] = op
-        return _Numbered(self, op)
+        return op
 
     def count(self, group: tuple[int, ...]) -> int:
         """How many operators this rank has run on ``group``."""

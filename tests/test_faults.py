@@ -76,6 +76,33 @@ def test_local_error_reaches_every_rank(cluster, backend):
     assert secs < FAST, secs
 
 
+def _fail_instead_of_collective(kind):
+    """Rank 1 fails instead of joining a collective its peers wait in."""
+    w = gpudist.world()
+    P = Partition.grid((w.size,))
+    if w.rank == 1:
+        time.sleep(0.3)  # its peers are waiting by now
+        with w.control.scope("test"):
+            raise RuntimeError("planted failure")
+    if kind == "allsum":
+        AllSumReduce(P, [0])(torch.ones(3, dtype=torch.float64))
+    else:
+        Broadcast(Partition.root(1, 1), P)(torch.zeros(0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["allsum", "broadcast"])
+def test_failure_reaches_ranks_waiting_in_a_collective(cluster, backend, kind):
+    """Ranks waiting in a collective for a rank that failed raise its error within
+    seconds (gloo: they wait in torch's timed wait, a slice at a time)."""
+    errs, secs = _run_timed(cluster, 3, _fail_instead_of_collective, kind, backend=backend)
+    assert errs[1] is not None and "planted failure" in errs[1].message, errs[1]
+    for r in (0, 2):
+        assert errs[r] is not None and errs[r].type == "RemoteError", errs[r]
+        assert "rank 1 failed with RuntimeError: planted failure" in errs[r].message
+    assert secs < FAST, secs
+
+
 def _planning_bug():
     """A bug in planning that hits rank 1 only (plans are pure, but code has bugs): rank 1
     raises it, its peers are told instead of waiting for it."""

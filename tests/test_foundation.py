@@ -235,6 +235,35 @@ def test_long_wait_leaves_the_core(cluster, backend):
     assert cpu < 0.5 * wall, (cpu, wall)
 
 
+def _late_collective_peer(kind):
+    """Rank 1 joins a collective 0.6 s late; rank 0 waits in it (gloo: torch's timed
+    wait in slices, without the GIL; MPI: polls, then naps)."""
+    w = gpudist.world()
+    g = w.transport.group(range(w.size))
+    buf = torch.full((4,), float(w.rank + 1))
+    if w.rank == 1:
+        time.sleep(0.6)
+    wall, cpu, waits = time.perf_counter(), time.process_time(), w.control.waits
+    if kind == "broadcast":
+        w.transport.wait([w.transport.broadcast(buf, 1, g)])
+    else:
+        w.transport.wait([w.transport.all_reduce(buf, g)])
+    return (time.perf_counter() - wall, time.process_time() - cpu,
+            w.control.waits - waits, buf.tolist())
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "all_reduce"])
+def test_late_peer_in_a_collective(cluster, backend, kind):
+    """A collective whose peer comes late completes with the right data once it comes,
+    and the wait meanwhile leaves the core."""
+    out = cluster.run(2, _late_collective_peer, kind, backend=backend)
+    want = [2.0] * 4 if kind == "broadcast" else [3.0] * 4
+    assert out[1][3] == want and out[0][3] == want, out
+    wall, cpu, waits, _ = out[0]
+    assert wall > 0.5 and waits == 1, out[0]
+    assert cpu < 0.5 * wall, (cpu, wall)
+
+
 def _finalize_late_peer():
     import gpudist
     from gpudist import runtime
