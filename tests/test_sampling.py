@@ -105,6 +105,7 @@ CASES_1D = [
     ("1d-area-up", (1, 1, 4), [0, 1, 2, 3], (1, 1, 13), _up("area", scale_factor=1.7)),
     ("1d-batch-split", (2, 1, 2), [0, 1, 2, 3], (3, 2, 14), _up("linear", False, scale_factor=2)),
     ("1d-empty-block", (1, 1, 4), [0, 1, 2, 3], (1, 2, 3), _up("linear", False, scale_factor=3)),
+    ("1d-batch-0", (1, 1, 2), [0, 1], (0, 1, 5), _up("linear", False, scale_factor=2)),
 ]
 
 CASES_2D = [

@@ -209,7 +209,8 @@ class HaloGeometry:
                 f"dilation>=1, padding>=0)"
             )
         span = d * (k - 1) + 1
-        if n + pad[0] + pad[1] < span:
+        if n + pad[0] + pad[1] < span and span > 1:  # (a one-wide kernel on an empty
+            # dimension, e.g. a batch of 0, has an empty output, as in torch)
             raise HaloError(
                 f"{where}: kernel extent dilation*(kernel-1)+1 = {span} exceeds the padded "
                 f"input length {n}+{pad[0]}+{pad[1]} = {n + sum(pad)}: no output"
