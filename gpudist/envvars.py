@@ -80,6 +80,7 @@ SETTINGS = {
     "GPUDIST_MPI_CUDA_AWARE": flag,
     "GPUDIST_PACKER_AUTOTUNE": flag,
     "GPUDIST_PACKER": partial(choice, choices=("torch", "numba", "cupy")),
+    "GPUDIST_GLOO_WAIT": partial(choice, choices=("auto", "block", "nap")),
 }
 
 

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -126,6 +127,7 @@ class World:
     cache_size: int = 8
     uids: dict = field(default_factory=dict)
     check_calls: bool = False  # GPUDIST_CHECK_CALLS: compare every call (meta.check_call)
+    ranks_here: int = 1  # the world's ranks on this host (this one included)
 
     @property
     def timeout(self) -> float:
@@ -294,23 +296,47 @@ def init(
     transport.control = control
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
-    _WORLD.check_calls = _any_rank(_WORLD, check_calls)
+    _WORLD.check_calls, _WORLD.ranks_here = _start_exchange(_WORLD, check_calls)
+    _choose_gloo_wait(_WORLD)
     if launch.size > 1:
         _install_excepthook()
         atexit.register(_at_exit)
     return _WORLD
 
 
-def _any_rank(w: World, flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (a world-collective exchange at init, so that a
-    setting read from one rank's environment holds on every rank)."""
+def _start_exchange(w: World, flag: bool) -> tuple[bool, int]:
+    """(whether ``flag`` is set on any rank, how many ranks run on this host): one
+    world-collective exchange at init, so that a setting read from one rank's environment
+    holds on every rank."""
     if w.size == 1:
-        return flag
+        return flag, 1
     tr = w.transport
-    out = torch.empty(w.size, dtype=torch.int64)
-    tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag)]), tr.group(range(w.size)))],
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    out = torch.empty(2 * w.size, dtype=torch.int64)
+    tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag), host]), tr.group(range(w.size)))],
             "the settings exchange of gpudist.init")
-    return bool(out.any())
+    rows = out.view(w.size, 2)
+    return bool(rows[:, 0].any()), int((rows[:, 1] == host).sum())
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _choose_gloo_wait(w: World) -> None:
+    """How this rank waits for a gloo collective (``GPUDIST_GLOO_WAIT``): ``block`` in
+    torch's timed wait (wakes the moment gloo is done: fastest where each rank has a core
+    of its own), ``nap`` between polls (leaves the core to a rank that shares it: faster
+    when ranks outnumber cores), ``auto`` (default): block where this host's ranks fit its
+    cores (bench/RESULTS.md, 2026-11-27 morning)."""
+    mode = setting("GPUDIST_GLOO_WAIT", "auto")
+    block = mode == "block" or (mode == "auto" and w.ranks_here <= _cores())
+    if hasattr(w.transport, "block_collectives"):
+        w.transport.block_collectives = block
 
 
 def _abort_mpi_job(err: Exception) -> None:

@@ -235,10 +235,18 @@ def test_long_wait_leaves_the_core(cluster, backend):
     assert cpu < 0.5 * wall, (cpu, wall)
 
 
-def _late_collective_peer(kind):
+def _late_collective_peer(kind, block=None):
     """Rank 1 joins a collective 0.6 s late; rank 0 waits in it (gloo: torch's timed
-    wait in slices, without the GIL; MPI: polls, then naps)."""
+    wait in slices, without the GIL, or naps between polls (``block``); MPI: polls, then
+    naps)."""
     w = gpudist.world()
+    if block is not None:
+        was = w.transport.block_collectives
+        w.transport.block_collectives = block
+        try:
+            return _late_collective_peer(kind)
+        finally:
+            w.transport.block_collectives = was
     g = w.transport.group(range(w.size))
     buf = torch.full((4,), float(w.rank + 1))
     if w.rank == 1:
@@ -252,16 +260,66 @@ def _late_collective_peer(kind):
             w.control.waits - waits, buf.tolist())
 
 
-@pytest.mark.parametrize("kind", ["broadcast", "all_reduce"])
-def test_late_peer_in_a_collective(cluster, backend, kind):
-    """A collective whose peer comes late completes with the right data once it comes,
-    and the wait meanwhile leaves the core."""
-    out = cluster.run(2, _late_collective_peer, kind, backend=backend)
+def _check_late_collective(out, kind):
     want = [2.0] * 4 if kind == "broadcast" else [3.0] * 4
     assert out[1][3] == want and out[0][3] == want, out
     wall, cpu, waits, _ = out[0]
     assert wall > 0.5 and waits == 1, out[0]
     assert cpu < 0.5 * wall, (cpu, wall)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "all_reduce"])
+def test_late_peer_in_a_collective(cluster, backend, kind):
+    """A collective whose peer comes late completes with the right data once it comes,
+    and the wait meanwhile leaves the core."""
+    _check_late_collective(cluster.run(2, _late_collective_peer, kind, backend=backend), kind)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "all_reduce"])
+@pytest.mark.parametrize("block", [True, False], ids=["block", "nap"])
+def test_late_peer_in_a_gloo_collective_either_wait(cluster, kind, block):
+    """The same with each of gloo's two ways of waiting for a collective."""
+    _check_late_collective(cluster.run(2, _late_collective_peer, kind, block,
+                                       backend="gloo"), kind)
+
+
+def _wait_facts():
+    w = gpudist.world()
+    return w.ranks_here, w.transport.block_collectives if w.backend == "gloo" else None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_here_and_gloo_wait(cluster, n):
+    """Every rank of a pool counts the pool's ranks on this host; a gloo collective's
+    wait blocks where they fit the cores and naps where they do not."""
+    from gpudist.runtime import _cores
+
+    for here, block in cluster.run(n, _wait_facts):
+        assert here == n
+        assert block == (n <= _cores())
+
+
+@pytest.mark.parametrize("mode,here,cores,want", [
+    (None, 2, 2, True), (None, 3, 2, False), ("auto", 4, 16, True), ("block", 4, 2, True),
+    ("nap", 1, 16, False), (" NAP ", 1, 16, False)])
+def test_gloo_wait_choice(monkeypatch, mode, here, cores, want):
+    """GPUDIST_GLOO_WAIT: block, nap, or auto (block where this host's ranks fit its
+    cores); a transport without the choice (MPI) is left alone."""
+    from types import SimpleNamespace
+
+    from gpudist import runtime
+
+    if mode is None:
+        monkeypatch.delenv("GPUDIST_GLOO_WAIT", raising=False)
+    else:
+        monkeypatch.setenv("GPUDIST_GLOO_WAIT", mode)
+    monkeypatch.setattr(runtime, "_cores", lambda: cores)
+    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(block_collectives=None))
+    runtime._choose_gloo_wait(w)
+    assert w.transport.block_collectives is want
+    other = SimpleNamespace(ranks_here=here, transport=SimpleNamespace())
+    runtime._choose_gloo_wait(other)
+    assert not hasattr(other.transport, "block_collectives")
 
 
 def _finalize_late_peer():
@@ -436,6 +494,7 @@ def test_environment_settings_are_checked(monkeypatch):
                                        ("GPUDIST_FORCE_STAGING", "maybe"),
                                        ("GPUDIST_SPIN_S", "-1"),
                                        ("GPUDIST_PACKER", "bogus"),
+                                       ("GPUDIST_GLOO_WAIT", "spin"),
                                        ("GPUDIST_COMM_TIMEOUT", "1e300"),
                                        ("GPUDIST_COMM_TIMEOUT", "0.0001"),
                                        ("GPUDIST_EXIT_TEARDOWN_S", "99999999999"),

@@ -1,9 +1,13 @@
 """Transport over ``torch.distributed`` (NCCL for CUDA tensors, gloo for CPU tensors).
 
-Waiting: collectives are polled (``Work.is_completed``); gloo's point-to-point works cannot
-be polled (and a timed-out gloo wait closes the connection), so a helper thread blocks in
-them while the caller polls an event. Metadata goes over a second communicator per group
-(gloo, on the CPU, also in NCCL worlds).
+Waiting: where each rank has a core of its own, a gloo collective is waited for in torch's
+timed wait, in slices between the control plane's checks (the thread sleeps without the
+GIL and wakes when gloo is done); where ranks outnumber cores it naps between polls
+instead (``block_collectives``, set by :func:`gpudist.runtime.init`). NCCL's collectives
+are polled (``Work.is_completed``). gloo's point-to-point works cannot be polled (and a
+timed-out gloo wait closes the connection), so a helper thread blocks in them while the
+caller polls an event. Metadata goes over a second communicator per group (gloo, on the
+CPU, also in NCCL worlds).
 
 Staging: gloo cannot take CUDA tensors (point-to-point) and NCCL only takes them; a tensor
 on the other kind of device goes through a :class:`~gpudist.transport.base.Staging`
@@ -18,7 +22,7 @@ import ctypes
 import datetime
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +62,27 @@ def _backend_error(e: BaseException, what: Label, control=None) -> BaseException
                if gone else "a peer closed its connection (it exited, crashed or aborted): ")
         return CommTimeout(f"{what}: {who}{text.splitlines()[0][:300]}")
     return CommTimeout(f"{what} failed in the backend: {text.splitlines()[0][:300]}")
+
+
+_SLICE = datetime.timedelta(seconds=0.01)  # the control plane's usual slice, made once
+
+
+def _timed_wait(w) -> Callable[[float], None]:
+    """``block(s)`` for a gloo collective's work: wait in torch up to ``s`` seconds.
+
+    The thread sleeps in C++ without the GIL and wakes the moment gloo completes the
+    collective; polling ``is_completed`` with naps woke 80-100 us late on a 64 KiB
+    broadcast, and spinning starved gloo's own threads. A timed-out wait leaves a gloo
+    collective as it was (unlike a point-to-point one, whose timed-out wait closes the
+    connection: those block in a helper thread). A failed collective ends the wait too;
+    ``finish`` raises its error."""
+    def block(s: float) -> None:
+        try:
+            w.wait(timeout=_SLICE if s == 0.01 else datetime.timedelta(seconds=s))
+        except RuntimeError:  # timed out, or failed (then completed: finish raises it)
+            pass
+
+    return block
 
 
 class _Pending:
@@ -121,6 +146,9 @@ class TorchDistTransport(Transport):
         self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
         self._waiter = _P2PWaiter()
+        # a gloo collective's wait: torch's timed wait, or naps between polls (set by
+        # gpudist.init from GPUDIST_GLOO_WAIT and how many ranks share this host's cores)
+        self.block_collectives = False
         self._td = datetime.timedelta(seconds=timeout)
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
@@ -154,7 +182,9 @@ class TorchDistTransport(Transport):
         return self.staging.host(key, t.shape, t.dtype)
 
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
-              orig: torch.Tensor | None = None) -> Work:
+              orig: torch.Tensor | None = None, gloo: bool | None = None) -> Work:
+        """The Work of collective ``w`` (``gloo``: it runs on a gloo group; default: the
+        world's backend is gloo)."""
         def finish() -> None:
             try:
                 w.wait()
@@ -163,7 +193,8 @@ class TorchDistTransport(Transport):
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
-        return Work(what, w.is_completed, finish)
+        timed = self.block_collectives and (self.backend == "gloo" if gloo is None else gloo)
+        return Work(what, w.is_completed, finish, block=_timed_wait(w) if timed else None)
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -249,7 +280,8 @@ class TorchDistTransport(Transport):
                     raise _backend_error(e, what, self.control) from e
                 out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
 
-            return Work(what, w.is_completed, finish)
+            return Work(what, w.is_completed, finish,
+                        block=_timed_wait(w) if self.block_collectives else None)
         out = _flat(out)
         so = self._out(("rs-out", group.ranks), out)
         si = self._in(("rs-in", group.ranks), _flat(inp))
@@ -268,7 +300,7 @@ class TorchDistTransport(Transport):
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         w = _all_gather_single(out, row, group=group.meta, async_op=True)
-        return self._coll(w, group.doing("metadata exchange"))
+        return self._coll(w, group.doing("metadata exchange"), gloo=True)
 
     def abandon(self) -> None:
         """Keep every process group alive through the interpreter's teardown: a gloo
