@@ -539,3 +539,29 @@ for b in ("mpi", "nosuch"):
 """], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "refused mpi" in p.stdout and "refused nosuch" in p.stdout, p.stdout
+
+
+def test_timed_wait_slices():
+    """gloo's timed wait: a slice that times out returns at once (the control plane's loop
+    checks, then waits again); one that fails leaving the work pending naps first (the
+    loop must not spin until its timeout); a completed work returns."""
+    from types import SimpleNamespace
+
+    from gpudist.transport.torch_dist import _timed_wait
+
+    def work(err, completed=False):
+        def wait(timeout):
+            if err:
+                raise RuntimeError(err)
+            return True
+        return SimpleNamespace(wait=wait, is_completed=lambda: completed)
+
+    for err, completed, slow in (("Operation timed out!", False, False),
+                                 ("Connection closed by peer", False, True),
+                                 ("Connection closed by peer", True, False), (None, True, False)):
+        block = _timed_wait(work(err, completed))
+        t = time.perf_counter()
+        for _ in range(20):
+            block(0.01)
+        took = time.perf_counter() - t
+        assert (took >= 0.015) == slow, (err, completed, took)

@@ -343,6 +343,35 @@ def test_conv_bad_input_errors_on_every_rank(cluster, which, err):
     assert all(e is not None and e.type == err for e in errs), errs
 
 
+def _empty_dimension(which):
+    """A global input empty in a dimension other than the batch (torch refuses each)."""
+    from gpudist import DistTensor
+
+    P = Partition.grid((1, 1, 1, 2))
+    if which == "conv-spatial-k1":  # (1, 3) kernel on H = 0: the kernel leaves H alone
+        layer, g = gnn.DistributedConv2d(P, 1, 2, (1, 3)), (1, 1, 0, 8)
+    elif which == "conv-spatial-padded":
+        layer, g = gnn.DistributedConv2d(P, 1, 2, 3, padding=1), (1, 1, 0, 8)
+    elif which == "maxpool-channels":
+        layer, g = gnn.DistributedMaxPool2d(P, 2), (1, 0, 4, 8)
+    elif which == "avgpool-channels":
+        layer, g = gnn.DistributedAvgPool2d(P, 2), (1, 0, 4, 8)
+    else:
+        layer, g = gnn.DistributedUpsample(P, scale_factor=2, mode="bilinear"), (1, 0, 4, 8)
+    layer(DistTensor.from_local(torch.zeros(g[:3] + (4,)), P, g))
+
+
+@pytest.mark.parametrize("which", ["conv-spatial-k1", "conv-spatial-padded",
+                                   "maxpool-channels", "avgpool-channels",
+                                   "upsample-channels"])
+def test_empty_dimension_other_than_the_batch_is_refused(cluster, which):
+    """As torch refuses it: a ShapeError naming the dimension on every rank (the batch-0
+    change had let these through as empty outputs; review of round M)."""
+    errs = cluster.run(2, _empty_dimension, which, expect_error=True)
+    assert all(e is not None and e.type == "ShapeError" and "only the batch dimension may "
+               "be empty" in e.message for e in errs), errs
+
+
 def _pool_case(kind, nd, pshape, ranks, gshape, k, s, p, d):
     P = Partition(ranks, pshape)
     if kind == "max":

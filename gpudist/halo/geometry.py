@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..decomposition import block_range
-from ..errors import HaloError
+from ..errors import HaloError, ShapeError, raised_everywhere
 
 Interval = tuple[int, int]  # half-open [lo, hi)
 
@@ -209,8 +209,9 @@ class HaloGeometry:
                 f"dilation>=1, padding>=0)"
             )
         span = d * (k - 1) + 1
-        if n + pad[0] + pad[1] < span and span > 1:  # (a one-wide kernel on an empty
-            # dimension, e.g. a batch of 0, has an empty output, as in torch)
+        if n + pad[0] + pad[1] < span and not (n == 0 and span == 1 and pad == (0, 0)):
+            # (an empty dimension the kernel leaves alone, a batch of 0, stays empty;
+            # whether a layer accepts one is the layer's call: require_nonempty)
             raise HaloError(
                 f"{where}: kernel extent dilation*(kernel-1)+1 = {span} exceeds the padded "
                 f"input length {n}+{pad[0]}+{pad[1]} = {n + sum(pad)}: no output"
@@ -345,6 +346,18 @@ def normalize_params(
     p = _per_dim(padding, ndim, "padding", 0)
     pads = tuple((int(x), int(x)) if isinstance(x, int) else (int(x[0]), int(x[1])) for x in p)
     return tuple(int(x) for x in k), tuple(int(x) for x in s), pads, tuple(int(x) for x in dl)
+
+
+def require_nonempty(global_shape: Sequence[int], what: str) -> None:
+    """Raise (alike on every rank) if a dimension other than the batch (dimension 0) of an
+    (N, C, spatial...) input is empty: torch's convolutions, pooling and interpolation
+    refuse those, and take a batch of 0."""
+    for a, n in enumerate(global_shape):
+        if a and not n:
+            raise raised_everywhere(ShapeError(
+                f"{what}: the input's global shape {tuple(global_shape)} is empty in "
+                f"dimension {a} ({'channels' if a == 1 else f'spatial dim {a - 2}'}); only "
+                f"the batch dimension may be empty"))
 
 
 def halo_spec(

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..halo import HaloExchange
+from ..halo.geometry import require_nonempty
 from ..partition import Partition
 from ..primitives import Broadcast, Plan, SumReduce
 from ..spec import PARTIAL, REPLICATE, TensorSpec
@@ -210,6 +211,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
                 f"{name}: expected an (N, C, {'spatial, ' * n}) tensor split the standard way,"
                 f" got {spec.describe()}"))
         g = spec.global_shape
+        require_nonempty(g, name)
         if g[1] != self.in_channels:
             raise raised_everywhere(ShapeError(
                 f"{name}: the blocks over P_x {self.P_x.shape} form a global tensor {g} with "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..halo import HaloExchange, HaloGeometry, halo_spec
+from ..halo.geometry import require_nonempty
 from ..partition import Partition
 from ..primitives import Plan
 from ..spec import TensorSpec
@@ -129,6 +130,7 @@ class _DistributedPoolNd(DistributedModule):
         """Halo geometry for the input tensor: padding ``(p, p + r)`` per spatial dim, ``r``
         the extra right padding of ``ceil_mode``."""
         g = spec.global_shape
+        require_nonempty(g, type(self).__name__)
         pads: list[tuple[int, int]] = [(0, 0), (0, 0)]
         for a, L in enumerate(g[2:]):
             k, s, p, d = self.k[a], self.s[a], self.p[a], self.d[a]

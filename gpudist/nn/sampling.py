@@ -46,6 +46,7 @@ from ..buffers import LRU
 from ..decomposition import block_range
 from ..errors import HaloError, PartitionError, ShapeError, raised_everywhere
 from ..halo import HaloExchange, HaloGeometry
+from ..halo.geometry import require_nonempty
 from ..partition import Partition
 from ..spec import TensorSpec
 from ._layer import DistributedModule, per_dim
@@ -452,6 +453,7 @@ class DistributedUpsample(DistributedModule):
     def _dims(self, spec: TensorSpec):
         P, n = self.P_x, self.spatial
         g, dt = spec.global_shape, self.opmath(spec.dtype)
+        require_nonempty(g, self.name)
         sizes = self.output_sizes(g[2:])
         geos = [HaloGeometry(g[0], P.shape[0], axis=0), HaloGeometry(g[1], P.shape[1], axis=1)]
         all_taps = []

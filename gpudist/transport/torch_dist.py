@@ -22,6 +22,7 @@ import ctypes
 import datetime
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -79,8 +80,10 @@ def _timed_wait(w) -> Callable[[float], None]:
     def block(s: float) -> None:
         try:
             w.wait(timeout=_SLICE if s == 0.01 else datetime.timedelta(seconds=s))
-        except RuntimeError:  # timed out, or failed (then completed: finish raises it)
-            pass
+        except RuntimeError as e:  # timed out, or failed (then completed: finish raises
+            if "timed out" not in str(e) and not w.is_completed():  # it); an error that
+                time.sleep(min(s, 1e-3))  # leaves the work pending must not make the
+                # caller's loop spin until its timeout
 
     return block
 
