@@ -516,7 +516,8 @@ def test_linear_output_requires_grad_where_only_the_input_lies(cluster, backend)
 
 def _bn_case(pshape, ranks, gshape, affine=True):
     P = Partition(ranks, pshape)
-    seqcls = {3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+    seqcls = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
+              5: torch.nn.BatchNorm3d}
     seq = seqcls[len(gshape)](gshape[1], affine=affine, dtype=torch.float64)
     layer = gnn.DistributedBatchNorm(P, gshape[1], affine=affine, dtype=torch.float64)
     if affine:
@@ -533,6 +534,7 @@ def _bn_case(pshape, ranks, gshape, affine=True):
     if P.active:
         errs["running_mean"] = _maxerr(layer.running_mean, seq.running_mean)
         errs["running_var"] = _maxerr(layer.running_var, seq.running_var)
+        errs["num_batches_tracked"] = float(layer.num_batches_tracked != seq.num_batches_tracked)
     layer.eval()
     seq.eval()
     eval_errs, root = _run_spatial(layer, seq, P, gshape)
@@ -544,6 +546,11 @@ def _bn_case(pshape, ranks, gshape, affine=True):
     (6, (3, 1, 1, 2), [0, 1, 2, 3, 4, 5], (7, 3, 5, 6), True),
     (4, (1, 1, 3), [1, 2, 3], (4, 2, 11), False),
     (4, (2, 1, 1, 1, 2), [3, 2, 1, 0], (3, 2, 4, 3, 5), True),
+    # a batch of 0, as torch: empty output, zero parameter gradients, the running
+    # statistics kept, the step counted (it was torch's "more than 1 value" ValueError;
+    # randomized check, round N)
+    (4, (1, 1, 2, 2), [0, 1, 2, 3], (0, 3, 5, 6), True),
+    (2, (2, 1), [0, 1], (0, 2), True),
 ])
 def test_batchnorm_equivalence(cluster, n, pshape, ranks, gshape, affine):
     res = cluster.run(n, _bn_case, pshape, ranks, gshape, affine)

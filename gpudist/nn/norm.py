@@ -114,7 +114,7 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
     def check_call(self, plan: _NormPlan) -> None:
         # like torch: wherever batch statistics are used (also in eval mode without
         # running statistics), one value per channel is refused
-        if (self.training or not self.track_running_stats) and plan.count <= 1:
+        if (self.training or not self.track_running_stats) and plan.count == 1:
             raise raised_everywhere(ValueError(
                 f"Expected more than 1 value per channel when training, got input size "
                 f"{list(plan.out.global_shape)}"))
@@ -132,6 +132,16 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps), w, b)
+        if plan.count == 0:  # a batch of 0, as torch: an empty output, zero gradients for
+            # the parameters, the running statistics as they were (the step still counted)
+            if self.training and self.track_running_stats:
+                with torch.no_grad():
+                    self.num_batches_tracked.add_(1)
+            y = x.clone()
+            for p in (w, b):
+                if p is not None:
+                    y = y + p.sum() * 0
+            return y
         y, mean, var = _SyncBatchNorm.apply(x, w, b, self.stats, plan.stats, self.eps)
         if self.training and self.track_running_stats:
             with torch.no_grad():
