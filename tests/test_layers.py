@@ -542,6 +542,41 @@ def _bn_case(pshape, ranks, gshape, affine=True):
     return errs
 
 
+def _bn_layouts():
+    """The same blocks in other memory layouts: the same output and gradients."""
+    from gpudist import DistTensor, TensorSpec
+
+    P, g = Partition.grid((2, 1, 1, 1)), (3, 2, 1, 2)  # blocks (2, 2, 1, 2) and (1, 2, 1, 2)
+    torch.manual_seed(0)
+    bn = gnn.DistributedBatchNorm(P, 2, dtype=torch.float64)
+    xb = block_of(global_tensor(g, seed=1), P)
+    dy = block_of(global_tensor(g, seed=2), P)
+    out = []
+    for layout in ("contiguous", "T03", "T23", "channels_last"):
+        if layout == "contiguous":
+            x = xb.clone()
+        elif layout == "channels_last":
+            x = xb.contiguous(memory_format=torch.channels_last)
+        else:
+            a, b = (0, 3) if layout == "T03" else (2, 3)
+            x = xb.transpose(a, b).contiguous().transpose(a, b)
+        x.requires_grad_(True)
+        for p in bn.parameters():
+            p.grad = None
+        y = bn(DistTensor(x, TensorSpec(P, g, torch.float64, "cpu")))
+        y.local.backward(dy)
+        out.append([y.local.detach(), x.grad] + [p.grad for p in bn.parameters()])
+    return max(_maxerr(a, b) for o in out[1:] for a, b in zip(o, out[0]))
+
+
+def test_batchnorm_block_layouts(cluster):
+    """A block whose strides make it channels-last (a transposed copy with size-1
+    dimensions) against a contiguous gradient: torch's fused reduction read the gradient in
+    the block's layout, giving wrong gradients (randomized check, round N)."""
+    for err in cluster.run(2, _bn_layouts):
+        assert err < TOL, err
+
+
 @pytest.mark.parametrize("n,pshape,ranks,gshape,affine", [
     (6, (3, 1, 1, 2), [0, 1, 2, 3, 4, 5], (7, 3, 5, 6), True),
     (4, (1, 1, 3), [1, 2, 3], (4, 2, 11), False),

@@ -240,6 +240,19 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         return ops(t if self.P_home.active else t.new_zeros(0))
 
 
+def _same_layout(x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``dy`` laid out alike for torch's fused batch-norm reductions, which read
+    ``dy`` in ``x``'s memory format: a block whose strides make it channels-last (a
+    transposed copy with size-1 dimensions can) against a contiguous ``dy`` gave wrong
+    sums (randomized check, round N). A copy only where the layouts differ."""
+    if x.is_contiguous():
+        return x, dy.contiguous()
+    cl = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if cl is not None and x.is_contiguous(memory_format=cl):
+        return x, dy.contiguous(memory_format=cl)
+    return x.contiguous(), dy.contiguous()
+
+
 def _channel_range(C: int, P_x: Partition) -> tuple[int, int]:
     if not P_x.active:
         return 0, 0
@@ -301,6 +314,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         loc = torch.zeros(2, C, dtype=torch.float64, device=x.device)
         if x.numel():
             dims = [0] + list(range(2, x.dim()))
+            x, dy = _same_layout(x, dy)
             if x.is_cuda:  # SyncBatchNorm's kernel: (sum dy, sum dy (x - mean), ...)
                 sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(
                     dy, x, mean, invstd, w, True, False, False)
