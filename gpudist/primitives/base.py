@@ -324,13 +324,7 @@ class Primitive(torch.nn.Module):
         if ctl.aborted is not None:
             ctl.ensure_alive()
         try:
-            if plan.identity:
-                y = local
-            elif local.requires_grad and torch.is_grad_enabled():
-                refuse_nonreentrant_checkpoint(self.name)
-                y = _record(self, plan, local)
-            else:
-                y = self.run_forward(local, plan)
+            y = self.apply(local, plan)
             return DistTensor(y, plan.out, check=False) if plan.out else y
         except BaseException as e:
             ctl.failed(e, self.name)
@@ -379,37 +373,39 @@ class Primitive(torch.nn.Module):
         (``GPUDIST_CHECK_CALLS=1``) the members first compare what they are about to run."""
         label, fp = ((self._adj_label, plan.fingerprint + 1) if adjoint else
                      (self._fwd_label, plan.fingerprint))
-        if self.world.check_calls:
-            check_call(self.group, label, fp, self.world.control.count(self.participants))
+        self._check_call(label, fp)
         return self.world.control.op(self.participants, label, fp, self.collective)
+
+    def _check_call(self, label: str, fp: int) -> None:
+        """With the world's call check on, the members compare what they are about to run."""
+        w = self.world
+        if w.check_calls:
+            check_call(self.group, label, fp, w.control.count(self.participants))
+
+    def _begin(self, label: str, fp: int):
+        """:meth:`numbered` without the context object (every call runs it): number the
+        call and make it current; returns the previous current operator, which the caller
+        puts back (``control._op = prev``)."""
+        self._check_call(label, fp)
+        return self.world.control.begin(self.participants, label, fp, self.collective)
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F on a block, numbered for the control plane (both paths of :meth:`apply`):
         :meth:`numbered` written out (it runs on every call)."""
-        w = self.world
-        if w.check_calls:
-            check_call(self.group, self._fwd_label, plan.fingerprint,
-                       w.control.count(self.participants))
-        ctl = w.control
-        prev = ctl.begin(self.participants, self._fwd_label, plan.fingerprint,
-                         self.collective)
+        prev = self._begin(self._fwd_label, plan.fingerprint)
         try:
             return self.forward(x, plan)
         finally:
-            ctl._op = prev
+            self.world.control._op = prev
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F* on a gradient block, numbered and inside the failure scope (autograd's
         path; :meth:`numbered` and the scope written out)."""
-        w = self.world
-        ctl = w.control
+        ctl = self.world.control
         if ctl.aborted is not None:
             ctl.ensure_alive()
-        fp = plan.fingerprint + 1
         try:
-            if w.check_calls:
-                check_call(self.group, self._adj_label, fp, ctl.count(self.participants))
-            prev = ctl.begin(self.participants, self._adj_label, fp, self.collective)
+            prev = self._begin(self._adj_label, plan.fingerprint + 1)
             try:
                 return self.adjoint(dy, plan)
             finally:

@@ -196,8 +196,15 @@ class TorchDistTransport(Transport):
             if orig is not None and staged is not orig:
                 orig.copy_(staged)
 
-        timed = self.block_collectives and (self.backend == "gloo" if gloo is None else gloo)
-        return Work(what, w.is_completed, finish, block=_timed_wait(w) if timed else None)
+        return Work(what, w.is_completed, finish, block=self._block(w, gloo))
+
+    def _block(self, w, gloo: bool | None = None) -> Callable[[float], None] | None:
+        """How the wait loop blocks for collective ``w``: torch's timed wait where this
+        world blocks for gloo collectives (``gloo``: ``w`` runs on a gloo group; default:
+        the world's backend is gloo), else None (polled)."""
+        if self.block_collectives and (self.backend == "gloo" if gloo is None else gloo):
+            return _timed_wait(w)
+        return None
 
     # -- interface ----------------------------------------------------------
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
@@ -283,8 +290,7 @@ class TorchDistTransport(Transport):
                     raise _backend_error(e, what, self.control) from e
                 out.view(-1).copy_(s.view(-1)[k * n:(k + 1) * n])
 
-            return Work(what, w.is_completed, finish,
-                        block=_timed_wait(w) if self.block_collectives else None)
+            return Work(what, w.is_completed, finish, block=self._block(w))
         out = _flat(out)
         so = self._out(("rs-out", group.ranks), out)
         si = self._in(("rs-in", group.ranks), _flat(inp))
