@@ -565,3 +565,32 @@ def test_timed_wait_slices():
             block(0.01)
         took = time.perf_counter() - t
         assert (took >= 0.015) == slow, (err, completed, took)
+
+
+def _reduce_scatter_dtypes():
+    """The transport's reduce-scatter over a group of ranks 1..n-1 (gloo: an all-to-all of
+    the chunks summed on arrival), for several dtypes: each member's slot of the sum, its
+    input left as it was."""
+    w = gpudist.world()
+    members = list(range(1, w.size))
+    g = w.transport.group(members)
+    if w.rank not in members:
+        return True
+    k, me = len(members), members.index(w.rank)
+    ok = True
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.bool):
+        gen = torch.Generator().manual_seed(7)
+        every = [(torch.rand(k * 5, generator=gen) * 4).to(dtype) for _ in members]
+        inp = every[me].clone()
+        out = torch.empty(5, dtype=dtype)
+        w.transport.wait([w.transport.reduce_scatter(out, inp, g)])
+        want = every[0].clone()
+        for e in every[1:]:
+            want = want + e if dtype != torch.bool else want | e
+        ok = ok and torch.equal(inp, every[me]) and torch.allclose(
+            out.double(), want[me * 5:(me + 1) * 5].double(), atol=1e-2)
+    return ok
+
+
+def test_transport_reduce_scatter_dtypes_and_subgroup(cluster, backend):
+    assert all(cluster.run(4, _reduce_scatter_dtypes, backend=backend))
