@@ -596,6 +596,31 @@ def test_batchnorm_equivalence(cluster, n, pshape, ranks, gshape, affine):
     assert {"y", "dx", "running_var", "eval_y", "eval_dx"} <= keys
 
 
+def _bn_collectives_per_step():
+    """Operators this rank runs in a training step of a batch norm whose channels and
+    batch are split (after the first step)."""
+    from gpudist import DistTensor, TensorSpec
+
+    w = gpudist.world()
+    P, g = Partition.grid((2, 2, 1)), (4, 6, 5)
+    bn = gnn.DistributedBatchNorm(P, 6, dtype=torch.float64)
+    x = block_of(global_tensor(g, seed=1), P).requires_grad_(True)
+    xd = DistTensor(x, TensorSpec(P, g, torch.float64, "cpu"))
+    counts = []
+    for _ in range(3):
+        before = sum(w.control._seq.values())
+        bn(xd).local.sum().backward()
+        counts.append(sum(w.control._seq.values()) - before)
+    return counts[1:]
+
+
+def test_batchnorm_training_step_runs_two_collectives(cluster):
+    """gamma/beta ride along in the statistics' reductions: one all-reduce forward, one
+    backward (it was six: two broadcasts, two all-reduces, two reduces)."""
+    for counts in cluster.run(4, _bn_collectives_per_step):
+        assert counts == [2, 2], counts
+
+
 @pytest.mark.parametrize("kind", ["mse_loss", "cross_entropy"])
 def test_loss_equivalence(cluster, kind):
     k = "mse" if kind == "mse_loss" else kind

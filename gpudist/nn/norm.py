@@ -4,13 +4,16 @@ Statistics: every worker computes its block's per-channel count, mean and varian
 stable kernel), and one AllSumReduce over the non-channel axes merges them in float64
 (Chan et al.: ``n var = sum_i n_i var_i + sum_i n_i (mean_i - mean)^2``), so large means do
 not cancel. The channel axis may be partitioned: each channel block is reduced over its own
-fibre. gamma/beta live on the workers at (0, j, 0, ..) and are broadcast over P_x.
+fibre. gamma/beta live on the workers at (0, j, 0, ..), one per fibre.
 
 The backward is hand-written (one more AllSumReduce, self-adjoint):
-``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``; the
-parameters' adjoint is the Broadcast's SumReduce. Empty blocks (more workers than
-entries) take part with zero counts. Options as ``torch.nn.BatchNormNd``: ``eps``,
-``momentum`` (``None``: cumulative average), ``affine``, ``track_running_stats``.
+``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``. In training,
+gamma/beta ride along in the forward reduction (only their home worker adds them) and
+their gradients come out of the backward one, so a step runs two collectives; elsewhere
+(evaluation, a batch of 0) they are broadcast, with the SumReduce as adjoint. Empty
+blocks (more workers than entries) take part with zero counts. Options as
+``torch.nn.BatchNormNd``: ``eps``, ``momentum`` (``None``: cumulative average), ``affine``,
+``track_running_stats``.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 f"DistributedBatchNorm: expected (N, {self.num_features}, ...) blocks split the "
                 f"standard way, got {spec.describe()}"))
         k, dev = self.P_x.dim, spec.device_type
-        st = TensorSpec(self.P_x, (4, g[1]), torch.float64, dev,
+        rows = 6 if self.affine else 4  # the parameters ride along with the statistics
+        st = TensorSpec(self.P_x, (rows, g[1]), torch.float64, dev,
                         (PARTIAL, 1) + (PARTIAL,) * (k - 2))
         params = None
         if self.params is not None:
@@ -127,13 +131,18 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             self.__dict__["_copies_checked"] = True
 
     def run(self, x: torch.Tensor, plan: _NormPlan) -> torch.Tensor:
-        w = self.params.apply(self.weight, plan.params) if self.params is not None else None
-        b = self.params.apply(self.bias, plan.params) if self.params is not None else None
         use_batch = self.training or not self.track_running_stats
-        if not use_batch:
-            return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps), w, b)
-        if plan.count == 0:  # a batch of 0, as torch: an empty output, zero gradients for
-            # the parameters, the running statistics as they were (the step still counted)
+        if use_batch and plan.count:  # the parameters travel in the statistics' reduction
+            y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.stats,
+                                                plan.stats, self.eps)
+        else:
+            w = self.params.apply(self.weight, plan.params) if self.params is not None else None
+            b = self.params.apply(self.bias, plan.params) if self.params is not None else None
+            if not use_batch:
+                return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps),
+                               w, b)
+            # a batch of 0, as torch: an empty output, zero gradients for the parameters,
+            # the running statistics as they were (the step still counted)
             if self.training and self.track_running_stats:
                 with torch.no_grad():
                     self.num_batches_tracked.add_(1)
@@ -142,7 +151,6 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 if p is not None:
                     y = y + p.sum() * 0
             return y
-        y, mean, var = _SyncBatchNorm.apply(x, w, b, self.stats, plan.stats, self.eps)
         if self.training and self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -281,13 +289,22 @@ def _affine(x, mean, invstd, w, b):
 
 
 class _SyncBatchNorm(torch.autograd.Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b with the global batch statistics."""
+    """y = (x - mean) / sqrt(var + eps) * w + b with the global batch statistics.
+
+    One AllSumReduce each way over the workers that share this channel block (the
+    parameters' Broadcast and its SumReduce ride along, 6 -> 2 collectives a step):
+    forward sums each worker's (count, count mean, count var, count mean^2) and, from the
+    parameters' home worker only (zeros elsewhere), its ``w`` and ``b``; backward sums
+    (sum dy, sum dy (x - mean)), from which every worker also has the whole gradient of
+    ``w`` and ``b`` (the home worker keeps it). ``w``/``b``: the parameters as this rank
+    holds them (empty off their home), or None."""
 
     @staticmethod
     def forward(ctx, x, w, b, allsum: AllSumReduce, plan: Plan, eps: float):  # type: ignore
         C = x.shape[1]
         n_i = x.numel() // C if C else 0
-        loc = torch.zeros(4, C, dtype=torch.float64, device=x.device)
+        affine = w is not None
+        loc = torch.zeros(6 if affine else 4, C, dtype=torch.float64, device=x.device)
         if n_i:
             m_i, v_i = torch.batch_norm_update_stats(x, None, None, 0.0)
             m_i, v_i = m_i.to(torch.float64), v_i.to(torch.float64)
@@ -295,15 +312,21 @@ class _SyncBatchNorm(torch.autograd.Function):
             loc[1] = n_i * m_i
             loc[2] = n_i * v_i
             loc[3] = n_i * m_i * m_i
+        if affine and w.numel():  # the parameters' home worker (exact: one summand)
+            loc[4], loc[5] = w.detach(), b.detach()
         tot = allsum.apply(loc, plan)
         n = tot[0]
         mean = tot[1] / n
         var = ((tot[2] + tot[3] - n * mean * mean) / n).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
+        wx = bx = None
+        if affine:  # in the input's dtype, as the parameters' Broadcast delivered them
+            wx, bx = tot[4].to(x.dtype), tot[5].to(x.dtype)
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        y = _affine(x, mean.to(acc), invstd.to(acc), w, b) if n_i else x.clone()
-        ctx.save_for_backward(x, mean.to(acc), invstd.to(acc), w)
+        y = _affine(x, mean.to(acc), invstd.to(acc), wx, bx) if n_i else x.clone()
+        ctx.save_for_backward(x, mean.to(acc), invstd.to(acc), wx)
         ctx.allsum, ctx.plan, ctx.n = allsum, plan, n
+        ctx.params = (w.shape, w.dtype, b.dtype) if affine else None
         return y, mean, var
 
     @staticmethod
@@ -329,9 +352,13 @@ class _SyncBatchNorm(torch.autograd.Function):
         g = ctx.allsum.apply(loc, ctx.plan)
         n = ctx.n
         dw = db = None
-        if w is not None:
-            dw = (loc[1] * invstd.to(torch.float64)).to(w.dtype)
-            db = loc[0].to(w.dtype)
+        if ctx.params is not None:  # the whole gradient, kept by the home worker
+            shape, wdt, bdt = ctx.params
+            if shape.numel():
+                dw = (g[1] * invstd.to(torch.float64)).to(wdt)
+                db = g[0].to(bdt)
+            else:
+                dw, db = x.new_zeros(shape, dtype=wdt), x.new_zeros(shape, dtype=bdt)
         if not x.numel():
             return torch.zeros_like(x), dw, db, None, None, None
         acc = mean.dtype
