@@ -111,6 +111,18 @@ def _cpu_name() -> str:
 
 
 # --------------------------------------------------------------------------- timing
+def peak_memory_mib(world) -> float:
+    """This rank's peak memory in MiB: CUDA's max allocated on a GPU, else the process's
+    peak resident set (``ru_maxrss``: whole-process, all cases so far, coarse)."""
+    if world.device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class Timer:
     """Barrier / max-over-ranks / synchronize helpers for one rank."""
 

@@ -18,14 +18,17 @@ indexing (unpack-add in the adjoint) -- the work gpudist must do too; on MPI,
 ``raw_persist`` does what ``raw_pack`` does with persistent requests (``Send_init`` /
 ``Recv_init`` made once, one ``Startall`` + ``Waitall`` per step), as gpudist's MPI
 transport does. ``ratio`` is gpudist over ``raw_pack``; ``ratio_inplace`` over
-``raw_inplace``; ``ratio_persist`` over ``raw_persist``.
+``raw_inplace``; ``ratio_persist`` over ``raw_persist``. Memory, the largest over ranks:
+``kept_MiB_max_rank``, the buffers gpudist keeps between calls (both operator instances'
+working buffers and their plans' send/receive buffers); ``peak_mem_MiB_max_rank``, the
+process's peak.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .common import RawBackend, Timer, add_common_args, paired, progress, run_suite
+from .common import RawBackend, Timer, add_common_args, paired, peak_memory_mib, progress, run_suite
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -196,6 +199,10 @@ def run(args, world) -> list[dict]:
             for q in reqs:
                 q.Free()
     tot_bytes = timer.max_over_ranks([float(halo_bytes)])[0]
+    # what gpudist keeps between calls (both instances' working buffers and send/receive
+    # buffers) and the process's peak, the largest over ranks
+    kept, peak = timer.max_over_ranks([(H.kept_nbytes() + H2.kept_nbytes()) / 2**20,
+                                       peak_memory_mib(world)])
     for mode, g, rp, ri, rs in (("exchange", "g_ex", "r_pk", "r_in", "r_ps"),
                                 ("exchange+adjoint", "g_exa", "r_pka", "r_ina", "r_psa"),
                                 ("operator", "g_op", "r_pk2", "r_in2", "r_ps2"),
@@ -212,6 +219,7 @@ def run(args, world) -> list[dict]:
             **paired(res[g], res[rp]),
             "gpudist_p25_ms": res[g]["p25_s"] * 1e3, "gpudist_p75_ms": res[g]["p75_s"] * 1e3,
             "raw_p25_ms": res[rp]["p25_s"] * 1e3, "raw_p75_ms": res[rp]["p75_s"] * 1e3,
+            "kept_MiB_max_rank": kept, "peak_mem_MiB_max_rank": peak,
         })
     return rows
 
@@ -224,7 +232,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 COLUMNS = ["partition", "global_shape", "mode", "halo_bytes_per_rank", "gpudist_ms",
            "raw_pack_ms", "raw_inplace_ms", "raw_persist_ms", "ratio", "ratio_inplace",
-           "ratio_persist", "paired", "paired_lo", "paired_hi"]
+           "ratio_persist", "paired", "paired_lo", "paired_hi", "kept_MiB_max_rank",
+           "peak_mem_MiB_max_rank"]
 
 
 def main(args, argv) -> None:

@@ -30,10 +30,9 @@ coarse) on CPU; the maximum over ranks is reported.
 from __future__ import annotations
 
 import argparse
-import resource
 from collections.abc import Callable
 
-from .common import Timer, add_common_args, paired, progress, run_suite
+from .common import Timer, add_common_args, paired, peak_memory_mib, progress, run_suite
 
 LAYERS = ["conv2d", "conv2d_copy", "conv2d_serial", "conv2d_overlap", "conv2d_chan",
           "maxpool2d", "avgpool2d", "batchnorm2d", "upsample2d", "upsample2d_crop", "linear"]
@@ -154,11 +153,7 @@ def layer_case(args, world, name: str, shape, feat) -> dict | None:
         return go
 
     res = timer.time({"gpudist": run_(layer, x), "reference": run_(rfn, xr)})
-    if dev.type == "cuda":
-        mem = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    mem = timer.max_over_ranks([float(mem)])[0]
+    mem = timer.max_over_ranks([peak_memory_mib(world)])[0]
     tg, tr = res["gpudist"]["median_s"], res["reference"]["median_s"]
     n = world.size
     return {

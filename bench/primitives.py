@@ -27,14 +27,27 @@ that raw pair behind torch's autograd (a Function whose backward makes the raw a
 call): what autograd's engine costs any op with a backward. ``spec`` says whether the input
 was a :class:`gpudist.DistTensor` (its spec carried: no metadata exchange, the normal case
 between layers) or a plain local block (its spec found by a metadata exchange, once per
-local shape where every participant holds a block, every call otherwise).
+local shape where every participant holds a block, every call otherwise). Memory, the
+largest over ranks: ``kept_MiB_max_rank``, what gpudist keeps between calls for the case
+(both instances' pooled buffers and reduce programs); ``peak_mem_MiB_max_rank``, the
+process's peak (:func:`bench.common.peak_memory_mib`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .common import KiB, MiB, RawBackend, Timer, add_common_args, paired, progress, run_suite
+from .common import (
+    KiB,
+    MiB,
+    RawBackend,
+    Timer,
+    add_common_args,
+    paired,
+    peak_memory_mib,
+    progress,
+    run_suite,
+)
 
 PRIMS = ["broadcast", "sumreduce", "allsumreduce", "repartition", "repartition_pack",
          "allgather", "reducescatter"]
@@ -141,7 +154,8 @@ class _RawPair:
 
 def _cases(prim: str, size: int, world, hint: bool):
     """(gpudist fwd, gpudist fwd+adj, raw fwd, raw fwd+adj, raw fwd+adj behind autograd)
-    closures; ``hint``: the input is a DistTensor (else a plain block)."""
+    closures and the two gpudist instances; ``hint``: the input is a DistTensor (else a
+    plain block)."""
     import torch
 
     from gpudist import PARTIAL, DistTensor, Partition, TensorSpec
@@ -294,7 +308,7 @@ def _cases(prim: str, size: int, world, hint: bool):
         # the raw pair accumulates nothing either; inside a network it flows to the next op)
         torch.autograd.grad(local(op_adj(xgd)), xg, dy, allow_unused=True)
 
-    return gf, ga, rf, ra, rg
+    return (gf, ga, rf, ra, rg), (op, op_adj)
 
 
 def run(args, world) -> list[dict]:
@@ -309,9 +323,13 @@ def run(args, world) -> list[dict]:
     for prim in prims:
         for size in sizes:
             for hint in hints:
-                gf, ga, rf, ra, rg = _cases(prim, size, world, hint)
+                (gf, ga, rf, ra, rg), ops = _cases(prim, size, world, hint)
                 res = timer.time({"g_fwd": gf, "r_fwd": rf, "g_adj": ga, "r_adj": ra,
                                   "r_autograd": rg})
+                # what gpudist keeps between calls (both instances: pooled buffers, reduce
+                # programs) and the process's peak, the largest over ranks
+                kept, peak = timer.max_over_ranks(
+                    [sum(o.kept_nbytes() for o in ops) / 2**20, peak_memory_mib(world)])
                 for mode, g, r in (("fwd", "g_fwd", "r_fwd"), ("fwd+adj", "g_adj", "r_adj")):
                     tg, tr = res[g]["median_s"], res[r]["median_s"]
                     passes = 1 if mode == "fwd" else 2
@@ -331,6 +349,7 @@ def run(args, world) -> list[dict]:
                         "gpudist_algbw_GBs": passes * size / tg / 1e9,
                         "gpudist_busbw_GBs": passes * size / tg / 1e9 * BUSBW[prim](n),
                         "raw_algbw_GBs": algbw, "raw_busbw_GBs": algbw * BUSBW[prim](n),
+                        "kept_MiB_max_rank": kept, "peak_mem_MiB_max_rank": peak,
                     })
                 bar.update()
                 bar.set_postfix_str(f"{prim} {size // KiB} KiB")
@@ -349,7 +368,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 COLUMNS = ["primitive", "bytes", "mode", "hint", "gpudist_ms", "raw_ms", "ratio",
            "paired", "paired_lo", "paired_hi", "raw_autograd_ms", "ratio_autograd",
-           "gpudist_busbw_GBs", "raw_busbw_GBs"]
+           "gpudist_busbw_GBs", "raw_busbw_GBs", "kept_MiB_max_rank", "peak_mem_MiB_max_rank"]
 
 
 def main(args, argv) -> None:

@@ -52,6 +52,12 @@ def test_suite_writes_results(tmp_path, suite, extra):
         assert {r["primitive"] for r in rows} >= {"broadcast", "sumreduce", "allsumreduce",
                                                   "repartition", "allgather"}
         assert all(r["raw_busbw_GBs"] > 0 for r in rows)
+        # every case keeps its pooled buffers on some rank (4 KiB: at least 2 KiB)
+        assert all(r["kept_MiB_max_rank"] * 2**20 >= 2048 for r in rows), rows
+        assert all(r["peak_mem_MiB_max_rank"] > 10 for r in rows)
+    if suite == "halo":  # working buffers at least the block, plus the faces' buffers
+        assert all(r["kept_MiB_max_rank"] > 0 and r["peak_mem_MiB_max_rank"] > 10
+                   for r in rows), rows
     if suite == "scaling":
         assert all("efficiency" in r for r in rows)
     _run(["plot", "--src", str(tmp_path)], tmp_path)

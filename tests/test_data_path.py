@@ -307,3 +307,24 @@ def test_staging_path(cluster, backend):
     for ok, new, used in cluster.run(3, _staged, backend=backend):
         assert ok and used and new == 0
 
+
+
+def _kept():
+    """Bytes each primitive keeps between calls after a Broadcast and a SumReduce back."""
+    w = gpudist.world()
+    P, root = Partition.grid((w.size,)), Partition.root(1, 0)
+    x = torch.rand(1000) if w.rank == 0 else torch.empty(0)
+    b, s = Broadcast(root, P), SumReduce(P, root)
+    y = b(DistTensor.from_local(x, root, (1000,)))
+    s(y)
+    return w.rank, b.kept_nbytes(), s.kept_nbytes()
+
+
+def test_kept_bytes(cluster, backend):
+    """What the bench reports as kept: the root's Broadcast returns its input (nothing
+    kept), the others' receive into a pooled block; SumReduce's root keeps its sum (and on
+    MPI its persistent reduce's buffer), the others a buffer to send from (gloo: a scratch
+    copy its reduce may overwrite; MPI: the program's)."""
+    for rank, kb, ks in cluster.run(3, _kept, backend=backend):
+        assert kb == (0 if rank == 0 else 4000), (rank, kb)
+        assert ks == (4000 * (2 if backend == "mpi" else 1) if rank == 0 else 4000), (rank, ks)

@@ -118,6 +118,11 @@ class HaloExchange(Primitive):
         """This worker's :class:`HaloPlan` for a tensor of ``spec`` (padding, boxes)."""
         return self.plan(spec).local
 
+    def kept_nbytes(self) -> int:
+        """The pooled working buffers and each cached plan's send/receive buffers."""
+        return super().kept_nbytes() + sum(p.local.kept_nbytes() for p in self._plans.values()
+                                           if p.local is not None)
+
     # -- for layers that compute on the block itself (the edge splits, conv strips) ------
     def shell_exchange(self, x: torch.Tensor, plan: Plan, shell: Shell) -> InFlight:
         """H on the working buffer holding only ``shell`` (its padding filled, its bulk

@@ -275,6 +275,10 @@ class HaloPlan:
             (inbuf[a][0], self.work_shape[a] - inbuf[a][1]) for a in range(P.dim)))
         self.outside = _slabs(self.work_shape, self.out_box)
 
+    def kept_nbytes(self) -> int:
+        """Bytes of the send/receive buffers this plan keeps."""
+        return sum(t.numel() * t.element_size() for pair in self._bufs.values() for t in pair)
+
     # -- views of a working buffer ---------------------------------------------------------
     def bulk(self, W: torch.Tensor) -> torch.Tensor:
         """The view of ``W`` where this worker's bulk block lives (write the input here)."""

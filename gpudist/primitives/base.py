@@ -414,6 +414,11 @@ class Primitive(torch.nn.Module):
             ctl.failed(e, self._adj_scope)
             raise
 
+    def kept_nbytes(self) -> int:
+        """Bytes of the buffers this operator keeps between calls (its pooled outputs and
+        staging; subclasses add what else they hold)."""
+        return self.buffers.nbytes()
+
     def __deepcopy__(self, memo):
         raise not_copyable(self.label)
 

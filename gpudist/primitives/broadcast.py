@@ -134,6 +134,11 @@ class FanPlan:
             out.copy_(mine.buffer)
         return out
 
+    def program_nbytes(self) -> int:
+        """Bytes of the reduce programs' buffers this rank keeps."""
+        return sum(p.buffer.numel() * p.buffer.element_size()
+                   for lru in self._programs.values() for p in lru.values() if p is not None)
+
     def _program(self, role: str, fan: _Fan, x: torch.Tensor):
         """The transport's reduce program for ``fan`` and sums shaped like ``x`` (None:
         the backend has none, or ``x`` is not host memory)."""
@@ -162,6 +167,9 @@ class _FanPrimitive(Primitive):
 
     def make_plan(self, spec, out):
         return None, self.fans.identity
+
+    def kept_nbytes(self) -> int:
+        return super().kept_nbytes() + self.fans.program_nbytes()
 
     def spread(self, x: torch.Tensor, many: TensorSpec, name: str) -> torch.Tensor:
         """Each 'one' worker's block to its 'many' workers (who receive into a pooled
