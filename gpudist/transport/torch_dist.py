@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..buffers import BufferPool
 from ..control import Label, label_text
 from ..envvars import setting
 from ..errors import CommTimeout, DeviceError
@@ -35,6 +36,9 @@ from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_CPU = torch.device("cpu")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -147,6 +151,9 @@ class TorchDistTransport(Transport):
             stage_all = setting("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all and self.backend != "nccl"
         self.staging = Staging()
+        # gloo reduce-scatter's chunks, one buffer per call in flight (a pending call holds
+        # its own: two started before one wait must not share one)
+        self._rs_chunks = BufferPool(max_keys=16)
         self._groups: dict[tuple[int, ...], Group] = {}
         self._waiter = _P2PWaiter()
         # a gloo collective's wait: torch's timed wait, or naps between polls (set by
@@ -282,7 +289,7 @@ class TorchDistTransport(Transport):
             # the time of the all-reduce it replaces
             n = len(group.ranks)
             si = self._in(("rs-in", group.ranks), _flat(inp))
-            stage = self.staging.host(("rs-stage", group.ranks), (n, out.numel()), inp.dtype)
+            stage = self._rs_chunks.get(group.ranks, (n, out.numel()), inp.dtype, _CPU)
             w = dist.all_to_all_single(stage.view(-1), si, group=group.handle, async_op=True)
 
             def finish() -> None:
@@ -328,3 +335,4 @@ class TorchDistTransport(Transport):
         self._waiter.stop()
         self._groups.clear()
         self.staging.clear()
+        self._rs_chunks.clear()
