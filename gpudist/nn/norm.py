@@ -1,16 +1,19 @@
 """Distributed batch normalization over a partitioned (N, C, ...) tensor.
 
 Statistics: every worker computes its block's per-channel count, mean and variance (torch's
-stable kernel), and one AllSumReduce over the non-channel axes merges them in float64
-(Chan et al.: ``n var = sum_i n_i var_i + sum_i n_i (mean_i - mean)^2``), so large means do
-not cancel. The channel axis may be partitioned: each channel block is reduced over its own
-fibre. gamma/beta live on the workers at (0, j, 0, ..), one per fibre.
+stable kernel), and AllSumReduces over the non-channel axes merge them in float64 (Chan et
+al.: ``n var = sum_i n_i var_i + sum_i n_i (mean_i - mean)^2``): one sums the counts, the
+count-weighted means and variances, a second the squared deviations of the block means
+from the global mean, so large means do not cancel (reading the second sum off
+``sum n_i mean_i^2 - n mean^2`` in one reduction lost 5-6 digits at mean/std = 3e5). The
+channel axis may be partitioned: each channel block is reduced over its own fibre.
+gamma/beta live on the workers at (0, j, 0, ..), one per fibre.
 
 The backward is hand-written (one more AllSumReduce, self-adjoint):
 ``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``. In training,
-gamma/beta ride along in the forward reduction (only their home worker adds them) and
-their gradients come out of the backward one, so a step runs two collectives; elsewhere
-(evaluation, a batch of 0) they are broadcast, with the SumReduce as adjoint. Empty
+gamma/beta ride along in the first forward reduction (only their home worker adds them)
+and their gradients come out of the backward one, so a step runs three collectives;
+elsewhere (evaluation, a batch of 0) they are broadcast, with the SumReduce as adjoint. Empty
 blocks (more workers than entries) take part with zero counts. Options as
 ``torch.nn.BatchNormNd``: ``eps``, ``momentum`` (``None``: cumulative average), ``affine``,
 ``track_running_stats``.
@@ -105,7 +108,7 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 f"DistributedBatchNorm: expected (N, {self.num_features}, ...) blocks split the "
                 f"standard way, got {spec.describe()}"))
         k, dev = self.P_x.dim, spec.device_type
-        rows = 6 if self.affine else 4  # the parameters ride along with the statistics
+        rows = 5 if self.affine else 3  # the parameters ride along with the statistics
         st = TensorSpec(self.P_x, (rows, g[1]), torch.float64, dev,
                         (PARTIAL, 1) + (PARTIAL,) * (k - 2))
         params = None
@@ -291,37 +294,39 @@ def _affine(x, mean, invstd, w, b):
 class _SyncBatchNorm(torch.autograd.Function):
     """y = (x - mean) / sqrt(var + eps) * w + b with the global batch statistics.
 
-    One AllSumReduce each way over the workers that share this channel block (the
-    parameters' Broadcast and its SumReduce ride along, 6 -> 2 collectives a step):
-    forward sums each worker's (count, count mean, count var, count mean^2) and, from the
-    parameters' home worker only (zeros elsewhere), its ``w`` and ``b``; backward sums
-    (sum dy, sum dy (x - mean)), from which every worker also has the whole gradient of
-    ``w`` and ``b`` (the home worker keeps it). ``w``/``b``: the parameters as this rank
-    holds them (empty off their home), or None."""
+    Over the workers that share this channel block, two AllSumReduces forward and one
+    backward (the parameters' Broadcast and its SumReduce ride along: 6 -> 3 collectives a
+    step). Forward sums each worker's (count, count mean, count var) and, from the
+    parameters' home worker only (zeros elsewhere), its ``w`` and ``b``; then each
+    worker's count (mean_i - mean)^2. Backward sums (sum dy, sum dy (x - mean)), from which
+    every worker also has the whole gradient of ``w`` and ``b`` (the home worker keeps it).
+    ``w``/``b``: the parameters as this rank holds them (empty off their home), or None."""
 
     @staticmethod
     def forward(ctx, x, w, b, allsum: AllSumReduce, plan: Plan, eps: float):  # type: ignore
         C = x.shape[1]
         n_i = x.numel() // C if C else 0
         affine = w is not None
-        loc = torch.zeros(6 if affine else 4, C, dtype=torch.float64, device=x.device)
+        loc = torch.zeros(5 if affine else 3, C, dtype=torch.float64, device=x.device)
         if n_i:
             m_i, v_i = torch.batch_norm_update_stats(x, None, None, 0.0)
             m_i, v_i = m_i.to(torch.float64), v_i.to(torch.float64)
             loc[0] = n_i
             loc[1] = n_i * m_i
             loc[2] = n_i * v_i
-            loc[3] = n_i * m_i * m_i
         if affine and w.numel():  # the parameters' home worker (exact: one summand)
-            loc[4], loc[5] = w.detach(), b.detach()
+            loc[3], loc[4] = w.detach(), b.detach()
         tot = allsum.apply(loc, plan)
         n = tot[0]
         mean = tot[1] / n
-        var = ((tot[2] + tot[3] - n * mean * mean) / n).clamp_min(0)
+        dev = torch.zeros(1, C, dtype=torch.float64, device=x.device)
+        if n_i:  # Chan's second sum, with the global mean known: nothing large cancels
+            dev[0] = n_i * (m_i - mean) ** 2
+        var = ((tot[2] + allsum.apply(dev, plan)[0]) / n).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         wx = bx = None
         if affine:  # in the input's dtype, as the parameters' Broadcast delivered them
-            wx, bx = tot[4].to(x.dtype), tot[5].to(x.dtype)
+            wx, bx = tot[3].to(x.dtype), tot[4].to(x.dtype)
         acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         y = _affine(x, mean.to(acc), invstd.to(acc), wx, bx) if n_i else x.clone()
         ctx.save_for_backward(x, mean.to(acc), invstd.to(acc), wx)
