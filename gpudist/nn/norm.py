@@ -319,10 +319,10 @@ class _SyncBatchNorm(torch.autograd.Function):
         tot = allsum.apply(loc, plan)
         n = tot[0]
         mean = tot[1] / n
-        dev = torch.zeros(1, C, dtype=torch.float64, device=x.device)
+        spread = torch.zeros(1, C, dtype=torch.float64, device=x.device)
         if n_i:  # Chan's second sum, with the global mean known: nothing large cancels
-            dev[0] = n_i * (m_i - mean) ** 2
-        var = ((tot[2] + allsum.apply(dev, plan)[0]) / n).clamp_min(0)
+            spread[0] = n_i * (m_i - mean) ** 2
+        var = ((tot[2] + allsum.apply(spread, plan)[0]) / n).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         wx = bx = None
         if affine:  # in the input's dtype, as the parameters' Broadcast delivered them
