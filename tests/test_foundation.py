@@ -596,26 +596,40 @@ def test_transport_reduce_scatter_dtypes_and_subgroup(cluster, backend):
     assert all(cluster.run(4, _reduce_scatter_dtypes, backend=backend))
 
 
-def _reduce_scatters_in_flight():
+def _reduce_scatters_in_flight(staged):
     """Two reduce-scatters over one group started before one wait (inputs of one shape,
-    then of two shapes with one count): each its own sum."""
+    then of two shapes with one count): each its own sum. ``staged``: through host
+    staging buffers, as device tensors a backend cannot take go."""
     w = gpudist.world()
     tr, n = w.transport, w.size
     g = tr.group(range(n))
+    was, tr.stage_all = tr.stage_all, staged
     got = []
-    for shape_b in ((n, 6), (2 * n, 3)):
-        a = torch.full((n, 6), 1.0 + w.rank, dtype=torch.float64)
-        b = torch.full(shape_b, 100.0 + 10 * w.rank, dtype=torch.float64)
-        oa, ob = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
-        tr.wait([tr.reduce_scatter(oa, a, g), tr.reduce_scatter(ob, b, g)])
-        got.append((oa.tolist(), ob.tolist()))
+    try:
+        for shape_b in ((n, 6), (2 * n, 3)):
+            a = torch.full((n, 6), 1.0 + w.rank, dtype=torch.float64)
+            b = torch.full(shape_b, 100.0 + 10 * w.rank, dtype=torch.float64)
+            oa, ob = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
+            tr.wait([tr.reduce_scatter(oa, a, g), tr.reduce_scatter(ob, b, g)])
+            got.append((oa.tolist(), ob.tolist()))
+    finally:
+        tr.stage_all = was
     return got
+
+
+_IN_FLIGHT_WANT = ([6.0] * 6, [330.0] * 6)  # 3 ranks: 1 + 2 + 3, 100 + 110 + 120
 
 
 def test_reduce_scatters_in_flight_keep_their_own_chunks(cluster, backend):
     """gloo's reduce-scatter stages the chunks it receives: two calls in flight shared one
-    staging buffer, and the first summed the second's chunks (randomized check, round O)."""
-    n = 3
-    want = ([sum(1.0 + k for k in range(n))] * 6, [sum(100.0 + 10 * k for k in range(n))] * 6)
-    for got in cluster.run(n, _reduce_scatters_in_flight, backend=backend):
-        assert got == [want, want], got
+    buffer, and the first summed the second's chunks (randomized check, round O)."""
+    for got in cluster.run(3, _reduce_scatters_in_flight, False, backend=backend):
+        assert got == [_IN_FLIGHT_WANT, _IN_FLIGHT_WANT], got
+
+
+def test_gloo_staged_reduce_scatters_in_flight(cluster):
+    """The same through host staging (device tensors on gloo): the staged inputs of two
+    calls in flight shared one buffer too (the review of round O). (Other staged
+    collectives still share one staging buffer per use, group and shape; see the README.)"""
+    for got in cluster.run(3, _reduce_scatters_in_flight, True, backend="gloo"):
+        assert got == [_IN_FLIGHT_WANT, _IN_FLIGHT_WANT], got

@@ -10,11 +10,12 @@ channel axis may be partitioned: each channel block is reduced over its own fibr
 gamma/beta live on the workers at (0, j, 0, ..), one per fibre.
 
 The backward is hand-written (one more AllSumReduce, self-adjoint):
-``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``. In training,
-gamma/beta ride along in the first forward reduction (only their home worker adds them)
-and their gradients come out of the backward one, so a step runs three collectives;
-elsewhere (evaluation, a batch of 0) they are broadcast, with the SumReduce as adjoint. Empty
-blocks (more workers than entries) take part with zero counts. Options as
+``dx = w invstd (dy - mean(dy) - (x - mean) invstd^2 mean(dy (x - mean)))``. Where batch
+statistics are used (training, or no running statistics), gamma/beta ride along in the
+first forward reduction (only their home worker adds them) and their gradients come out of
+the backward one, so a step runs three collectives; elsewhere (evaluation with running
+statistics, a batch of 0) they are broadcast, with the SumReduce as adjoint. Empty blocks
+(more workers than entries) take part with zero counts. Options as
 ``torch.nn.BatchNormNd``: ``eps``, ``momentum`` (``None``: cumulative average), ``affine``,
 ``track_running_stats``.
 """

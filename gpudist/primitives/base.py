@@ -416,7 +416,8 @@ class Primitive(torch.nn.Module):
 
     def kept_nbytes(self) -> int:
         """Bytes of the buffers this operator keeps between calls (its pooled outputs and
-        staging; subclasses add what else they hold)."""
+        packing buffers; subclasses add what else they hold). The transport's staging and
+        chunk buffers, shared by every operator on a group, are not counted."""
         return self.buffers.nbytes()
 
     def __deepcopy__(self, memo):
