@@ -38,9 +38,10 @@ class BufferPool:
         self.allocations = 0
 
     def get(self, name: object, shape: Sequence[int], dtype: torch.dtype,
-            device: torch.device, init: Callable[[torch.Tensor], None] | None = None
-            ) -> torch.Tensor:
-        """A tensor of ``shape``; ``init`` runs once on a newly allocated buffer."""
+            device: torch.device, init: Callable[[torch.Tensor], None] | None = None,
+            pin: bool = False) -> torch.Tensor:
+        """A tensor of ``shape``; ``init`` runs once on a newly allocated buffer; ``pin``:
+        allocate it in page-locked host memory."""
         if type(shape) is not tuple:
             shape = tuple(int(s) for s in shape)
         key = (name, shape, dtype, device)
@@ -56,7 +57,7 @@ class BufferPool:
                 if _use_count(base.untyped_storage()._cdata) == refs:  # only the pool
                     return base.detach()  # holds it: a new tensor object on its storage
                     # (not a view for autograd; ten times cheaper than set_)
-        t = torch.empty(shape, dtype=dtype, device=device)
+        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
         self.allocations += 1
         if init is not None:
             init(t)

@@ -627,9 +627,31 @@ def test_reduce_scatters_in_flight_keep_their_own_chunks(cluster, backend):
         assert got == [_IN_FLIGHT_WANT, _IN_FLIGHT_WANT], got
 
 
-def test_gloo_staged_reduce_scatters_in_flight(cluster):
-    """The same through host staging (device tensors on gloo): the staged inputs of two
-    calls in flight shared one buffer too (the review of round O). (Other staged
-    collectives still share one staging buffer per use, group and shape; see the README.)"""
-    for got in cluster.run(3, _reduce_scatters_in_flight, True, backend="gloo"):
+def test_staged_reduce_scatters_in_flight(cluster, backend):
+    """The same through host staging (device tensors on gloo or a host-only MPI): the
+    staged inputs of two calls in flight shared one buffer too (the review of round O)."""
+    for got in cluster.run(3, _reduce_scatters_in_flight, True, backend=backend):
         assert got == [_IN_FLIGHT_WANT, _IN_FLIGHT_WANT], got
+
+
+def _staged_broadcasts_in_flight():
+    """Two broadcasts from rank 1 of equal-shaped tensors, both started before one wait,
+    through host staging: each receiver gets each its own."""
+    w = gpudist.world()
+    tr = w.transport
+    g = tr.group(range(w.size))
+    was, tr.stage_all = tr.stage_all, True
+    try:
+        a = torch.full((5,), 1.0 if w.rank == 1 else -1.0)
+        b = torch.full((5,), 2.0 if w.rank == 1 else -1.0)
+        tr.wait([tr.broadcast(a, 1, g), tr.broadcast(b, 1, g)])
+        return a.tolist(), b.tolist()
+    finally:
+        tr.stage_all = was
+
+
+def test_staged_collectives_in_flight_keep_their_own_buffers(cluster, backend):
+    """Host staging kept one buffer per use, group and shape, so two equal collectives in
+    flight shared it (the review of round O): now one per operation in flight."""
+    for a, b in cluster.run(3, _staged_broadcasts_in_flight, backend=backend):
+        assert a == [1.0] * 5 and b == [2.0] * 5, (a, b)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..buffers import BufferPool
 from ..control import Label, label_text
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -119,23 +120,24 @@ class ReduceProgram:
         raise NotImplementedError
 
 
+_CPU = torch.device("cpu")
+
+
 class Staging:
-    """Host buffers for device tensors a backend cannot take, one per (use, shape, dtype),
-    allocated on first use (pinned when CUDA is present) and reused by every later call."""
+    """Host buffers for device tensors a backend cannot take, per (use, shape, dtype): one
+    per operation in flight (a buffer a pending operation still holds is not handed out
+    again), allocated on first use (pinned when CUDA is present) and reused by later
+    calls."""
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple, torch.Tensor] = {}
-        self.allocations = 0
+        self._pool = BufferPool(max_keys=256)
+
+    @property
+    def allocations(self) -> int:
+        return self._pool.allocations
 
     def host(self, key: object, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        k = (key, tuple(shape), dtype)
-        b = self._bufs.get(k)
-        if b is None:
-            pin = torch.cuda.is_available()
-            b = torch.empty(tuple(shape), dtype=dtype, device="cpu", pin_memory=pin)
-            self._bufs[k] = b
-            self.allocations += 1
-        return b
+        return self._pool.get(key, shape, dtype, _CPU, pin=torch.cuda.is_available())
 
     def stage_in(self, key: object, t: torch.Tensor) -> torch.Tensor:
         """``t``'s data on the host (asynchronous copy on the current stream, then a sync
@@ -147,7 +149,7 @@ class Staging:
         return h
 
     def clear(self) -> None:
-        self._bufs.clear()
+        self._pool.clear()
 
 
 class Transport(ABC):

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..buffers import BufferPool
 from ..control import Label, label_text
 from ..envvars import setting
 from ..errors import CommTimeout, DeviceError
@@ -36,9 +35,6 @@ from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-_CPU = torch.device("cpu")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -151,9 +147,6 @@ class TorchDistTransport(Transport):
             stage_all = setting("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all and self.backend != "nccl"
         self.staging = Staging()
-        # gloo reduce-scatter's received chunks (and staged input), one buffer per call in
-        # flight (a pending call holds its own: two started before one wait share none)
-        self._rs_bufs = BufferPool(max_keys=16)
         self._groups: dict[tuple[int, ...], Group] = {}
         self._waiter = _P2PWaiter()
         # a gloo collective's wait: torch's timed wait, or naps between polls (set by
@@ -290,15 +283,10 @@ class TorchDistTransport(Transport):
         if self.backend == "gloo":  # gloo has none: an all-to-all brings this member
             # the group's chunks of its slot, summed here: (n-1)/n of the input's bytes
             # per rank, half of what a ring all-reduce moves, and none of its copies (2
-            # ranks, 1 / 16 MiB: 0.56x / 0.70x the all-reduce's time). Its buffers come
-            # from a pool: a call still in flight keeps its own
-            n, flat = len(group.ranks), _flat(inp)
-            si = flat
-            if not self.native(flat):
-                self._check(flat)
-                si = self._rs_bufs.get(("in", group.ranks), flat.shape, flat.dtype, _CPU)
-                si.copy_(flat)
-            stage = self._rs_bufs.get(group.ranks, (n, out.numel()), inp.dtype, _CPU)
+            # ranks, 1 / 16 MiB: 0.56x / 0.70x the all-reduce's time)
+            n = len(group.ranks)
+            si = self._in(("rs-in", group.ranks), _flat(inp))
+            stage = self.staging.host(("rs-chunks", group.ranks), (n, out.numel()), inp.dtype)
             w = dist.all_to_all_single(stage.view(-1), si, group=group.handle, async_op=True)
 
             def total() -> None:
@@ -340,4 +328,3 @@ class TorchDistTransport(Transport):
         self._waiter.stop()
         self._groups.clear()
         self.staging.clear()
-        self._rs_bufs.clear()
