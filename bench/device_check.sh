@@ -12,6 +12,8 @@
 #   bash bench/device_check.sh cpu16   # #14's tables at 4 ranks, ONE RANK PER CORE (the
 #                                      # dev machines have 2 cores): halo, layers,
 #                                      # primitives, MPI and gloo, CPU tensors
+#   bash bench/device_check.sh all     # both in one call, most wanted first, every step cut
+#                                      # to what is left of DEADLINE_S (default 540 s)
 #
 # The machine has CUDA torch, CuPy and Numba but no MPI: carry PyPI wheels in .whl/ (made
 # here by `make device-wheels`, ignored by git) and name `.whl` in the call's `carry`. Its
@@ -20,14 +22,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:-}
 case "$PHASE" in
-gpu | cpu16) ;;
-*) echo "usage: bash bench/device_check.sh gpu|cpu16" >&2; exit 2 ;;
+gpu | cpu16 | all) ;;
+*) echo "usage: bash bench/device_check.sh gpu|cpu16|all" >&2; exit 2 ;;
 esac
 OUT=${OUT:-results/device}
 RES=/tmp/device/$PHASE
 mkdir -p "$OUT" "$RES"
 PY=${PYTHON:-python3}
-if ! $PY -c "from mpi4py import MPI" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+# carried wheels win over whatever the image has (its mpi4py may lack an MPI or mpiexec)
+if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
@@ -47,9 +50,13 @@ except Exception as e:  # noqa: BLE001
 EOF
 
 FAILED=0
+END=$((SECONDS + ${DEADLINE_S:-540}))
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, go on
     local name=$1 limit=$2
     shift 2
+    local left=$((END - SECONDS - 10))
+    if [ "$left" -lt 20 ]; then echo "== $name: skipped, no time left"; FAILED=1; return; fi
+    [ "$limit" -le "$left" ] || limit=$left
     echo "== $name: $*"
     local t0=$SECONDS
     timeout -k 5 "$limit" "$@" >"$RES/$name.log" 2>&1
@@ -60,30 +67,29 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, go o
     tar czf "$OUT/$PHASE.tar.gz" -C /tmp/device "$PHASE"
 }
 
-case "$PHASE" in
-gpu)
-    step gpu-suite 240 $PY -m pytest -q -m gpu tests -x -p no:cacheprovider
+gpu_suite() { step gpu-suite 240 $PY -m pytest -q -m gpu tests -p no:cacheprovider; }
+gpu_benches() {
     step gpu-layers-ws1 90 $PY -m bench layers --device cuda --backend gloo --ranks 1 \
         --no-progress --out "$RES" --tag cuda
     step gpu-kernels 60 $PY -m bench kernels --device cuda --out "$RES"
     step gpu-layers-2r 90 $PY -m bench layers --device cuda --backend gloo --ranks 2 \
         --no-ws1 --layers conv2d maxpool2d upsample2d --repeats 10 --no-progress \
         --out "$RES" --tag cuda
-    ;;
-cpu16)
-    for be in mpi gloo; do
-        step "halo-$be" 40 $PY -m bench halo --backend "$be" --ranks 4 --no-progress \
-            --out "$RES"
-        step "layers-$be" 130 $PY -m bench layers --backend "$be" --ranks 4 --no-ws1 \
-            --repeats 10 --no-progress --out "$RES"
-        step "primitives-$be" 70 $PY -m bench primitives --backend "$be" --ranks 4 \
-            --sizes 64KiB 1MiB 64MiB --repeats 15 --no-hint-compare --no-progress \
-            --out "$RES"
-    done
-    ;;
+}
+cpu_tables() {  # cpu_tables BACKEND
+    step "halo-$1" 40 $PY -m bench halo --backend "$1" --ranks 4 --no-progress --out "$RES"
+    step "layers-$1" 130 $PY -m bench layers --backend "$1" --ranks 4 --no-ws1 \
+        --repeats 10 --no-progress --out "$RES"
+    step "primitives-$1" 70 $PY -m bench primitives --backend "$1" --ranks 4 \
+        --sizes 64KiB 1MiB 64MiB --repeats 15 --no-hint-compare --no-progress --out "$RES"
+}
+case "$PHASE" in
+gpu) gpu_suite; gpu_benches ;;
+cpu16) cpu_tables mpi; cpu_tables gloo ;;
+all) gpu_suite; cpu_tables mpi; gpu_benches; cpu_tables gloo ;;
 esac
 : >"$OUT/$PHASE-tables.md"
-if [ "$PHASE" = cpu16 ]; then  # (#14's bars are for CPU ranks, one per core)
+if [ "$PHASE" != gpu ]; then  # (#14's bars are for CPU ranks, one per core)
     $PY -m bench table --src "$RES" --targets >>"$OUT/$PHASE-tables.md" 2>&1 || true
 fi
 $PY -m bench table --src "$RES" >>"$OUT/$PHASE-tables.md" 2>&1 || true
