@@ -12,8 +12,9 @@
 #   bash bench/device_check.sh cpu16   # #14's tables at 4 ranks, ONE RANK PER CORE (the
 #                                      # dev machines have 2 cores): halo, layers,
 #                                      # primitives, MPI and gloo, CPU tensors
-#   bash bench/device_check.sh all     # both in one call, most wanted first, every step cut
-#                                      # to what is left of DEADLINE_S (default 540 s)
+#   bash bench/device_check.sh all     # both in one call, side by side (CPU tables on cores
+#                                      # 0-7, GPU work on 8-15), every step cut to what is
+#                                      # left of DEADLINE_S (default 540 s)
 #
 # The machine has CUDA torch, CuPy and Numba but no MPI: carry PyPI wheels in .whl/ (made
 # here by `make device-wheels`, ignored by git) and name `.whl` in the call's `carry`. Its
@@ -29,11 +30,17 @@ OUT=${OUT:-results/device}
 RES=/tmp/device/$PHASE
 mkdir -p "$OUT" "$RES"
 PY=${PYTHON:-python3}
-# carried wheels win over whatever the image has (its mpi4py may lack an MPI or mpiexec)
+# Carried wheels go into a venv over the image's packages: its mpiexec lies beside its
+# python (where gpudist.launch looks) and mpi4py loads the venv's MPICH, not the image's
+# Open MPI (`pip --target` drops MPICH's lib/, and mpi4py then found Open MPI: every MPI
+# rank ran as a world of one).
 if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    $PY -m venv --without-pip /tmp/venv || exit 1
+    $PY -c "import site; print('\n'.join(site.getsitepackages()))" \
+        >"$(/tmp/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
+    /tmp/venv/bin/python -m pip install -q --no-index --no-deps --ignore-installed --no-compile \
+        --no-cache-dir .whl/*.whl || exit 1
+    PY=/tmp/venv/bin/python
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 # one line of facts first: what ran where
@@ -64,10 +71,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, go o
     [ "$rc" -eq 0 ] || FAILED=1
     echo "   rc=$rc, $((SECONDS - t0)) s; last lines:"
     tail -n 12 "$RES/$name.log" | sed 's/^/   | /'
-    tar czf "$OUT/$PHASE.tar.gz" -C /tmp/device "$PHASE"
+    tar czf "$OUT/$PHASE${LANE:-}.tar.gz" -C /tmp/device "$PHASE"
 }
 
-gpu_suite() { step gpu-suite 240 $PY -m pytest -q -m gpu tests -p no:cacheprovider; }
+gpu_suite() {
+    step gpu-suite "${GPU_SUITE_S:-240}" $PY -m pytest -v -rA --durations=0 -m gpu tests -p no:cacheprovider
+}
 gpu_benches() {
     step gpu-layers-ws1 90 $PY -m bench layers --device cuda --backend gloo --ranks 1 \
         --no-progress --out "$RES" --tag cuda
@@ -86,7 +95,14 @@ cpu_tables() {  # cpu_tables BACKEND
 case "$PHASE" in
 gpu) gpu_suite; gpu_benches ;;
 cpu16) cpu_tables mpi; cpu_tables gloo ;;
-all) gpu_suite; cpu_tables mpi; gpu_benches; cpu_tables gloo ;;
+all)  # two lanes at once: the CPU tables on cores 0-7, the GPU work on cores 8-15
+    (LANE=-cpu; taskset -pc 0-7 $BASHPID >/dev/null; cpu_tables mpi; cpu_tables gloo
+     exit $FAILED) >"$RES/lane-cpu.txt" 2>&1 &
+    (LANE=-gpu; taskset -pc 8-15 $BASHPID >/dev/null; gpu_suite; gpu_benches; exit $FAILED) \
+        >"$RES/lane-gpu.txt" 2>&1 &
+    for job in $(jobs -p); do wait "$job" || FAILED=1; done
+    cat "$RES/lane-gpu.txt" "$RES/lane-cpu.txt"
+    rm -f "$OUT/$PHASE-cpu.tar.gz" "$OUT/$PHASE-gpu.tar.gz" ;;
 esac
 : >"$OUT/$PHASE-tables.md"
 if [ "$PHASE" != gpu ]; then  # (#14's bars are for CPU ranks, one per core)

@@ -340,9 +340,18 @@ def start_pool(size: int, backend: str = "gloo", **kw) -> RankPool:
     if backend == "mpi":
         return MPIPool(size, **kw)
     kw.pop("pythonpath", None)
-    if backend.endswith("-spawn"):  # a parent holding a CUDA context must not fork
+    if backend.endswith("-spawn"):
         return ForkPool(size, backend[:-len("-spawn")], start="spawn", **kw)
-    return ForkPool(size, backend, **kw)
+    return ForkPool(size, backend, start=_start_method(kw.get("device", "cpu")), **kw)
+
+
+def _start_method(device: str) -> str:
+    """"fork", unless the ranks use CUDA and this process already holds a CUDA context
+    (a forked child cannot use CUDA then): "spawn"."""
+    import torch
+
+    cuda_ranks = str(device).startswith("cuda")
+    return "spawn" if cuda_ranks and torch.cuda.is_initialized() else "fork"
 
 
 class Cluster:

@@ -617,6 +617,18 @@ def test_mpi_pool_refuses_functions_of_main(cluster):
     assert cluster.run(2, _answer, backend="mpi") == [42, 42]
 
 
+def test_cuda_ranks_from_a_cuda_parent_are_spawned(monkeypatch):
+    """A parent that holds a CUDA context cannot fork ranks that use CUDA (the bench on a GPU
+    did, and every rank died in its first CUDA call): such ranks are spawned."""
+    from gpudist.launch import _start_method
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert _start_method("cuda") == "fork" and _start_method("cpu") == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert _start_method("cuda") == "spawn" and _start_method("cuda:0") == "spawn"
+    assert _start_method("cpu") == "fork"
+
+
 # ------------------------------------------- inputs that differ between ranks (fuzz-found)
 def _mixed_op(kind):
     P = Partition([0, 1], (1, 1, 2, 1))
