@@ -346,12 +346,11 @@ def start_pool(size: int, backend: str = "gloo", **kw) -> RankPool:
 
 
 def _start_method(device: str) -> str:
-    """"fork", unless the ranks use CUDA and this process already holds a CUDA context
-    (a forked child cannot use CUDA then): "spawn"."""
-    import torch
-
-    cuda_ranks = str(device).startswith("cuda")
-    return "spawn" if cuda_ranks and torch.cuda.is_initialized() else "fork"
+    """"spawn" for ranks that use CUDA, else "fork". A forked child cannot use CUDA once
+    this process has touched it, and ``torch.cuda.is_available()`` is enough for that
+    while ``torch.cuda.is_initialized()`` still says False (seen on an H200: the GPU bench
+    forked, and every rank died in its first CUDA call)."""
+    return "spawn" if str(device).startswith("cuda") else "fork"
 
 
 class Cluster:

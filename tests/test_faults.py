@@ -617,16 +617,19 @@ def test_mpi_pool_refuses_functions_of_main(cluster):
     assert cluster.run(2, _answer, backend="mpi") == [42, 42]
 
 
-def test_cuda_ranks_from_a_cuda_parent_are_spawned(monkeypatch):
-    """A parent that holds a CUDA context cannot fork ranks that use CUDA (the bench on a GPU
-    did, and every rank died in its first CUDA call): such ranks are spawned."""
-    from gpudist.launch import _start_method
+def test_cuda_ranks_are_spawned():
+    """Ranks that use CUDA are spawned, never forked: a parent that merely asked
+    ``torch.cuda.is_available()`` cannot fork CUDA children (the GPU bench did, and every
+    rank died in its first CUDA call), and ``is_initialized()`` does not tell."""
+    from gpudist.launch import ForkPool, _start_method
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert _start_method("cuda") == "fork" and _start_method("cpu") == "fork"
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert _start_method("cuda") == "spawn" and _start_method("cuda:0") == "spawn"
+    assert _start_method("cuda") == "spawn" and _start_method("cuda:1") == "spawn"
     assert _start_method("cpu") == "fork"
+    pool = ForkPool(1, start=_start_method("cuda:0"))  # a CPU pool, started as CUDA's is
+    try:
+        assert pool.procs[0]._popen.method == "spawn" and pool.run(_answer) == [42]
+    finally:
+        pool.close()
 
 
 # ------------------------------------------- inputs that differ between ranks (fuzz-found)

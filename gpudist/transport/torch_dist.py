@@ -253,15 +253,20 @@ class TorchDistTransport(Transport):
 
         return [Work(what, pending.event.is_set, finish_gloo, block=pending.event.wait)]
 
+    # A staged result is copied back only where the collective writes one: the root of a
+    # broadcast and the senders of a reduce leave ``tensor`` untouched (a copy back would
+    # bump its autograd version: the sender's input may be saved for backward).
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
         s = self._in(("bcast", group.ranks, src), tensor)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        return self._coll(w, group.doing(f"broadcast from {src}"), s, tensor)
+        back = None if self.rank == src else tensor
+        return self._coll(w, group.doing(f"broadcast from {src}"), s, back)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, group.doing(f"reduce to {dst}"), s, tensor)
+        back = tensor if self.rank == dst else None
+        return self._coll(w, group.doing(f"reduce to {dst}"), s, back)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group,
                    src: torch.Tensor | None = None) -> Work:
