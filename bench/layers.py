@@ -6,13 +6,14 @@ the same torch op on this worker's block with no communication (the compute gpud
 avoid). Layers (``--layers``):
 
 * ``conv2d``       DistributedConv2d, spatial (1,1,N/2,2) partition, 3x3, padding 1
-                   (the default local step: conv of the block plus boundary strips)
-* ``conv2d_copy``  the same with ``boundary_strips = False`` (the block copied into the
-                   halo buffer, conv of that)
-* ``conv2d_serial`` the default with ``halo.overlap = False`` (the exchange completed
+                   (the default local step: the block copied into the halo buffer, conv
+                   of that)
+* ``conv2d_strips`` the same with ``boundary_strips = True`` (conv of the block plus thin
+                   strip convs of the halo faces; no copy of the block)
+* ``conv2d_strips_serial`` the strips with ``halo.overlap = False`` (the exchange completed
                    before the block's conv starts: what the overlap saves)
-* ``conv2d_overlap`` the default with ``halo.overlap = True`` (the block's conv while the
-                   exchange is in flight; the default only where the transport moves
+* ``conv2d_strips_overlap`` the strips with ``halo.overlap = True`` (the block's conv while
+                   the exchange is in flight; their default only where the transport moves
                    messages by itself: gloo, NCCL, not MPI without a progress thread)
 * ``conv2d_chan``  DistributedConv2d, channels split: P_w (1,2,N/2,1,1), x (1,N/2,1,1)
 * ``maxpool2d``    DistributedMaxPool2d 3x3, stride 2, padding 1, spatial partition
@@ -34,8 +35,9 @@ from collections.abc import Callable
 
 from .common import Timer, add_common_args, paired, peak_memory_mib, progress, run_suite
 
-LAYERS = ["conv2d", "conv2d_copy", "conv2d_serial", "conv2d_overlap", "conv2d_chan",
-          "maxpool2d", "avgpool2d", "batchnorm2d", "upsample2d", "upsample2d_crop", "linear"]
+LAYERS = ["conv2d", "conv2d_strips", "conv2d_strips_serial", "conv2d_strips_overlap",
+          "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d", "upsample2d",
+          "upsample2d_crop", "linear"]
 
 
 def grid2(n: int) -> tuple[int, int]:
@@ -69,10 +71,11 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
     x = _block(G, P)
     c = shape[1]
     whole = n == 1
-    if name in ("conv2d", "conv2d_copy", "conv2d_serial", "conv2d_overlap"):
+    if name == "conv2d" or name.startswith("conv2d_strips"):
         layer = gnn.DistributedConv2d(P, c, c, 3, 1, 1, device=dev)
-        layer.boundary_strips = name != "conv2d_copy"
-        layer.halo.overlap = {"conv2d_serial": False, "conv2d_overlap": True}.get(name)
+        layer.boundary_strips = name != "conv2d"
+        layer.halo.overlap = {"conv2d_strips_serial": False,
+                              "conv2d_strips_overlap": True}.get(name)
         ref = torch.nn.Conv2d(c, c, 3, 1, 1, device=dev)
         rfn = ref if whole else (lambda t: F.conv2d(t, ref.weight, ref.bias, 1, 1))
         return layer, x, rfn, (G if whole else x.local), f"1x1x{ph}x{pw}"

@@ -104,6 +104,7 @@ def _layers(cfg: dict, P: Partition):
                                           dtype=torch.float64)
     layer = getattr(gnn, f"DistributedConv{nd}d")(P, c, 2, cfg["k"], cfg["s"], cfg["p"],
                                                   cfg["d"], dtype=torch.float64)
+    layer.boundary_strips = True  # (not the default: the strips are what is tested here)
     layer.load_global_state_dict(seq.state_dict())
     return layer, seq
 

@@ -125,7 +125,7 @@ def test_strips_only_for_faces_with_a_halo(cluster):
 
 
 def _overlap_order(pshape, gshape, overlap=True):
-    """Events of one forward and backward of the default conv: when H is posted and
+    """Events of one forward and backward of the conv's strips form: when H is posted and
     completed (forward and adjoint) relative to the block's conv and the strips'."""
     from gpudist.halo.plan import HaloPlan
     from gpudist.nn import conv_strips
@@ -152,6 +152,7 @@ def _overlap_order(pshape, gshape, overlap=True):
         seq = torch.nn.Conv2d(2, 2, 3, 1, 1, dtype=torch.float64)
         layer = gnn.DistributedConv2d(P, 2, 2, 3, 1, 1, dtype=torch.float64)
         layer.load_global_state_dict(seq.state_dict())
+        layer.boundary_strips = True
         layer.halo.overlap = overlap
         errs, _ = _run_spatial(layer, seq, P, gshape)
     finally:
@@ -161,7 +162,7 @@ def _overlap_order(pshape, gshape, overlap=True):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_block_conv_overlaps_the_exchange(cluster, backend):
-    """The default local step posts H, convolves the block, then waits for H and runs the
+    """The strips form posts H, convolves the block, then waits for H and runs the
     strips; the backward posts H* (the strips' halo gradients) before the block's conv
     adjoint and waits after it. The result still equals torch's."""
     for events, errs in cluster.run(2, _overlap_order, (1, 1, 1, 2), (1, 2, 6, 10),
@@ -180,7 +181,7 @@ def test_block_conv_overlaps_the_exchange(cluster, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_overlap_default_follows_the_transport(cluster, backend):
-    """By default the block's conv overlaps the exchange only where the transport moves
+    """By default the strips form's block conv overlaps the exchange only where the transport moves
     messages while the rank computes (gloo's threads; not MPI without a progress thread,
     where it was measured to gain nothing)."""
     for events, errs in cluster.run(2, _overlap_order, (1, 1, 1, 2), (1, 2, 6, 10), None,

@@ -75,10 +75,13 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
 
     spatial: int = 2
     #: compute the local conv as conv(block) + boundary strips instead of copying the block
-    #: into the halo buffer (where the geometry allows; see :mod:`gpudist.nn.conv_strips`);
-    #: False: the copy. Measured on CPU (fwd+bwd, MPI, 2 ranks): 1.04x the local conv vs
-    #: 1.08x copying (``python -m bench layers --layers conv2d conv2d_copy``)
-    boundary_strips: bool = True
+    #: into the halo buffer and convolving that (where the geometry allows; see
+    #: :mod:`gpudist.nn.conv_strips`). Off by default: fwd+bwd of (4,16,512,512) 3x3 on a
+    #: 16-core host, 4 ranks one per core, the copy ran at 0.98x (MPI) / 1.02x (gloo) the
+    #: local conv and the strips at 1.14x / 1.11x; on 2 cores, 2 ranks, 1.02x vs 1.03-1.05x
+    #: (MPI) and even on gloo (``python -m bench layers --layers conv2d conv2d_strips``).
+    #: The strips save the block's copy but do column-shaped strided work per face.
+    boundary_strips: bool = False
 
     def __init__(self, P_x: Partition, in_channels: int, out_channels: int,
                  kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
