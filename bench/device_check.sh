@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The prepared checks for a lent GPU machine (one H100/H200, 16 CPU cores, no network), in
-# two phases that each fit one 10-minute call (their steps' limits add up to 8 minutes at
-# most). Results (CSV/JSON, logs) are written under /tmp/device/PHASE and come back as one
+# The prepared checks for a lent GPU machine (one H100/H200, 16 CPU cores, no network): two
+# phases that each fit one 10-minute call (their steps' limits add up to 8 minutes at most),
+# or both at once. Results (CSV/JSON, logs) are written under /tmp/device/PHASE (the GPU
+# benches' under /tmp/device/PHASE/gpu) and come back as one
 # archive, $OUT/PHASE.tar.gz (the device tool returns at most 8 files), remade after every
 # step (a call stopped at its limit still returns what was done), with the tables in
 # $OUT/PHASE-tables.md. Exit status: 1 if a step failed or ran out of time.
@@ -34,13 +35,21 @@ PY=${PYTHON:-python3}
 # python (where gpudist.launch looks) and mpi4py loads the venv's MPICH, not the image's
 # Open MPI (`pip --target` drops MPICH's lib/, and mpi4py then found Open MPI: every MPI
 # rank ran as a world of one).
+# The image's site-packages are added with site.addsitedir (their own .pth files work).
 if compgen -G ".whl/*.whl" >/dev/null; then
-    $PY -m venv --without-pip /tmp/venv || exit 1
-    $PY -c "import site; print('\n'.join(site.getsitepackages()))" \
-        >"$(/tmp/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/image.pth"
-    /tmp/venv/bin/python -m pip install -q --no-index --no-deps --ignore-installed --no-compile \
-        --no-cache-dir .whl/*.whl || exit 1
-    PY=/tmp/venv/bin/python
+    if $PY -m venv --without-pip /tmp/venv &&
+        $PY -c "import site; [print(f'import site; site.addsitedir({p!r})')
+                             for p in site.getsitepackages()]" >"$(/tmp/venv/bin/python -c \
+            'import site; print(site.getsitepackages()[0])')/image.pth" &&
+        /tmp/venv/bin/python -m pip install -q --no-index --no-deps --ignore-installed \
+            --no-compile --no-cache-dir .whl/*.whl; then
+        PY=/tmp/venv/bin/python
+    else
+        echo "WARNING: the carried wheels did not install (wrong Python?); the image's" \
+            "python runs as it is, MPI steps may fail" >&2
+    fi
+else
+    echo "WARNING: no .whl/ (make device-wheels): the MPI steps will fail" >&2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 # one line of facts first: what ran where
@@ -57,7 +66,7 @@ except Exception as e:  # noqa: BLE001
 EOF
 
 FAILED=0
-END=$((SECONDS + ${DEADLINE_S:-540}))
+END=${DEADLINE_S:-540}  # seconds from the script's start (bash's SECONDS), set-up included
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, go on
     local name=$1 limit=$2
     shift 2
@@ -79,11 +88,11 @@ gpu_suite() {
 }
 gpu_benches() {
     step gpu-layers-ws1 90 $PY -m bench layers --device cuda --backend gloo --ranks 1 \
-        --no-progress --out "$RES" --tag cuda
-    step gpu-kernels 60 $PY -m bench kernels --device cuda --out "$RES"
+        --no-progress --out "$RES/gpu" --tag cuda
+    step gpu-kernels 60 $PY -m bench kernels --device cuda --out "$RES/gpu"
     step gpu-layers-2r 90 $PY -m bench layers --device cuda --backend gloo --ranks 2 \
         --no-ws1 --layers conv2d maxpool2d upsample2d --repeats 10 --no-progress \
-        --out "$RES" --tag cuda
+        --out "$RES/gpu" --tag cuda
 }
 cpu_tables() {  # cpu_tables BACKEND
     step "halo-$1" 40 $PY -m bench halo --backend "$1" --ranks 4 --no-progress --out "$RES"
@@ -95,21 +104,33 @@ cpu_tables() {  # cpu_tables BACKEND
 case "$PHASE" in
 gpu) gpu_suite; gpu_benches ;;
 cpu16) cpu_tables mpi; cpu_tables gloo ;;
-all)  # two lanes at once: the CPU tables on cores 0-7, the GPU work on cores 8-15
-    (LANE=-cpu; taskset -pc 0-7 $BASHPID >/dev/null; cpu_tables mpi; cpu_tables gloo
-     exit $FAILED) >"$RES/lane-cpu.txt" 2>&1 &
-    (LANE=-gpu; taskset -pc 8-15 $BASHPID >/dev/null; gpu_suite; gpu_benches; exit $FAILED) \
+all)  # two lanes at once: the CPU tables on the first half of the cores, the GPU work
+    # on the second half (unpinned, and said so, where taskset cannot)
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc reads OMP_*)
+    half=$((cores / 2))
+    pin() {
+        [ "$half" -ge 1 ] && taskset -pc "$1" "$BASHPID" >/dev/null ||
+            echo "WARNING: lane not pinned (to $1; $cores cores)"
+    }
+    (LANE=-cpu; pin "0-$((half - 1))"; cpu_tables mpi; cpu_tables gloo; exit $FAILED) \
+        >"$RES/lane-cpu.txt" 2>&1 &
+    lanes=($!)
+    (LANE=-gpu; pin "$half-$((2 * half - 1))"; gpu_suite; gpu_benches; exit $FAILED) \
         >"$RES/lane-gpu.txt" 2>&1 &
-    for job in $(jobs -p); do wait "$job" || FAILED=1; done
-    cat "$RES/lane-gpu.txt" "$RES/lane-cpu.txt"
-    rm -f "$OUT/$PHASE-cpu.tar.gz" "$OUT/$PHASE-gpu.tar.gz" ;;
+    lanes+=($!)
+    for pid in "${lanes[@]}"; do wait "$pid" || FAILED=1; done
+    cat "$RES/lane-gpu.txt" "$RES/lane-cpu.txt" ;;
 esac
 : >"$OUT/$PHASE-tables.md"
-if [ "$PHASE" != gpu ]; then  # (#14's bars are for CPU ranks, one per core)
-    $PY -m bench table --src "$RES" --targets >>"$OUT/$PHASE-tables.md" 2>&1 || true
-fi
-$PY -m bench table --src "$RES" >>"$OUT/$PHASE-tables.md" 2>&1 || true
-$PY -m bench table --src "$RES" --mode fwd+adj >>"$OUT/$PHASE-tables.md" 2>&1 || true
+tables() {  # tables DIR [--targets]: bench's tables of the results in DIR, time-limited
+    for mode in "${@:2}" "" "--mode fwd+adj"; do
+        # shellcheck disable=SC2086
+        timeout 60 $PY -m bench table --src "$1" $mode >>"$OUT/$PHASE-tables.md" 2>&1 || true
+    done
+}
+[ "$PHASE" = gpu ] || tables "$RES" --targets  # (#14's bars: CPU ranks, one per core)
+[ -d "$RES/gpu" ] && tables "$RES/gpu"
 tar czf "$OUT/$PHASE.tar.gz" -C /tmp/device "$PHASE"
+rm -f "$OUT/$PHASE-cpu.tar.gz" "$OUT/$PHASE-gpu.tar.gz"
 ls -l "$OUT"
 exit "$FAILED"

@@ -230,7 +230,7 @@ class ForkPool(RankPool):
                  start: str = "fork", timeout: float = DEFAULT_COMM_TIMEOUT_S,
                  threads: int = 1) -> None:
         super().__init__(size)
-        ctx = mp.get_context(start)  # "spawn" where the parent already holds a CUDA context
+        ctx = mp.get_context(start)  # "spawn" for ranks that use CUDA (_start_method)
         self._dir = tempfile.mkdtemp(prefix="gpudist-pool-")
         store = os.path.join(self._dir, "store")
         self.procs = []
@@ -336,21 +336,29 @@ class MPIPool(RankPool):
 
 def start_pool(size: int, backend: str = "gloo", **kw) -> RankPool:
     """A pool of ``size`` ranks on ``backend``: "gloo", "nccl", "mpi", or "gloo-spawn" /
-    "nccl-spawn" (spawned instead of forked)."""
+    "nccl-spawn" (spawned instead of forked). Ranks that use CUDA are always spawned."""
     if backend == "mpi":
         return MPIPool(size, **kw)
     kw.pop("pythonpath", None)
     if backend.endswith("-spawn"):
         return ForkPool(size, backend[:-len("-spawn")], start="spawn", **kw)
-    return ForkPool(size, backend, start=_start_method(kw.get("device", "cpu")), **kw)
+    return ForkPool(size, backend, start=_start_method(backend, kw.get("device", "cpu")),
+                    **kw)
 
 
-def _start_method(device: str) -> str:
-    """"spawn" for ranks that use CUDA, else "fork". A forked child cannot use CUDA once
-    this process has touched it, and ``torch.cuda.is_available()`` is enough for that
-    while ``torch.cuda.is_initialized()`` still says False (seen on an H200: the GPU bench
-    forked, and every rank died in its first CUDA call)."""
-    return "spawn" if str(device).startswith("cuda") else "fork"
+def _start_method(backend: str, device: str | None) -> str:
+    """"spawn" for ranks that use CUDA (NCCL, a CUDA device, or "auto"/None where a GPU is
+    present), else "fork". A forked child cannot use CUDA once this process has touched
+    it, and ``torch.cuda.is_available()`` is enough for that while
+    ``torch.cuda.is_initialized()`` still says False (seen on an H200: the GPU bench forked,
+    and every rank died in its first CUDA call)."""
+    import torch
+
+    if backend == "nccl" or str(device).startswith("cuda"):
+        return "spawn"
+    if device is None or str(device) == "auto":
+        return "spawn" if torch.cuda.is_available() else "fork"
+    return "fork"
 
 
 class Cluster:

@@ -618,15 +618,27 @@ def test_mpi_pool_refuses_functions_of_main(cluster):
     assert cluster.run(2, _answer, backend="mpi") == [42, 42]
 
 
-def test_cuda_ranks_are_spawned():
+def test_cuda_ranks_are_spawned(monkeypatch):
     """Ranks that use CUDA are spawned, never forked: a parent that merely asked
     ``torch.cuda.is_available()`` cannot fork CUDA children (the GPU bench did, and every
     rank died in its first CUDA call), and ``is_initialized()`` does not tell."""
-    from gpudist.launch import ForkPool, _start_method
+    from gpudist import launch
 
-    assert _start_method("cuda") == "spawn" and _start_method("cuda:1") == "spawn"
-    assert _start_method("cpu") == "fork"
-    pool = ForkPool(1, start=_start_method("cuda:0"))  # a CPU pool, started as CUDA's is
+    started = []
+
+    class Recorder:
+        def __init__(self, size, backend, start="fork", **kw):
+            started.append((backend, kw.get("device"), start))
+
+    monkeypatch.setattr(launch, "ForkPool", Recorder)
+    for backend, device in [("gloo", "cuda"), ("gloo", "cuda:1"), ("nccl", "cpu"),
+                            ("gloo", "cpu"), ("gloo", None), ("gloo", "auto")]:
+        launch.start_pool(2, backend, device=device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    launch.start_pool(2, "gloo", device="auto")
+    assert [s for _, _, s in started] == ["spawn"] * 3 + ["fork"] * 3 + ["spawn"], started
+    monkeypatch.undo()
+    pool = launch.ForkPool(1, start=launch._start_method("gloo", "cuda:0"))  # a CPU pool
     try:
         assert pool.procs[0]._popen.method == "spawn" and pool.run(_answer) == [42]
     finally:

@@ -368,6 +368,22 @@ def test_dispatcher_defaults_and_overrides(monkeypatch):
         assert get_packer("cuda").name == "torch"  # nothing else can run without a GPU
 
 
+def test_cuda_default_is_cupy_then_torch(monkeypatch):
+    """On CUDA the default is CuPy, else torch: numba.cuda (whose dispatch measured ~180
+    us a launch on an H200, 8x torch's indexing) serves by preference only."""
+    monkeypatch.delenv("GPUDIST_PACKER", raising=False)
+    monkeypatch.delenv("GPUDIST_PACKER_AUTOTUNE", raising=False)
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    fake = {name: type("P", (), {"name": name})() for name in ("cupy", "numba")}
+    served = {"cupy": True, "numba": True}
+    monkeypatch.setattr(kernels, "_resolve",
+                        lambda name, dev: fake[name] if served.get(name) else None)
+    assert get_packer("cuda").name == "cupy"
+    served["cupy"] = False  # CuPy missing: torch, although numba.cuda could serve
+    assert get_packer("cuda").name == "torch"
+    assert get_packer("cuda", prefer="numba").name == "numba"
+
+
 def test_autotune_records_a_measured_choice(monkeypatch):
     monkeypatch.delenv("GPUDIST_PACKER", raising=False)
     monkeypatch.setattr(kernels, "_TUNED", {})

@@ -86,29 +86,47 @@ def test_conv_equivalence(cluster, case, strips):
     assert any(cluster.run(n, _conv_case, *args, strips))  # the root reported
 
 
-def _plans_with_strips(nd, pshape, ranks, gshape, cin, cout, k, s, p, d):
-    """Per plan of this rank: whether it takes the boundary-strip form."""
+def _plans_with_strips(nd, pshape, ranks, gshape, cin, cout, k, s, p, d, flag=True):
+    """Whether this rank's plan allows the boundary-strip form, and whether the forward
+    ran it (with ``boundary_strips = flag``)."""
+    from gpudist.nn import conv as conv_mod
+
+    ran, orig = [], conv_mod.conv_with_strips
+
+    def counted(*a, **kw):
+        ran.append(1)
+        return orig(*a, **kw)
+
     P = Partition(ranks, pshape)
     cls = {1: gnn.DistributedConv1d, 2: gnn.DistributedConv2d, 3: gnn.DistributedConv3d}[nd]
     layer = cls(P, cin, cout, k, s, p, d, dtype=torch.float64)
-    layer.boundary_strips = True
-    layer(block_of(global_tensor(gshape), P))
-    return [plan.strips is not None for plan in layer._plans.values()]
+    if flag is not None:
+        layer.boundary_strips = flag
+    conv_mod.conv_with_strips = counted
+    try:
+        layer(block_of(global_tensor(gshape), P))
+    finally:
+        conv_mod.conv_with_strips = orig
+    (plan,) = layer._plans.values()
+    return plan.strips is not None, bool(ran)
 
 
 def test_boundary_strips_taken_where_the_geometry_allows(cluster):
-    """The 3x3 'same' conv on a 2x2 grid takes the strip form on every rank; a padding-0
-    conv (unequal extensions at the edges) keeps the copy on some."""
-    def used(case):
+    """With ``boundary_strips = True`` the 3x3 'same' conv on a 2x2 grid runs the strip
+    form on every rank; a padding-0 conv (unequal extensions at the edges) keeps the copy
+    on some. By default (the copy) no rank runs the strips."""
+    def used(case, flag=True):
         n, *args = case
-        return cluster.run(n, _plans_with_strips, *args)
+        return cluster.run(n, _plans_with_strips, *args, flag)
 
-    assert all(all(u) for u in used(CONV_CASES[0]))
-    assert not all(all(u) for u in used(CONV_CASES[2]))
+    assert all(ok and ran for ok, ran in used(CONV_CASES[0]))
+    assert not all(ran for _, ran in used(CONV_CASES[2]))
+    assert all(ran == ok for ok, ran in used(CONV_CASES[2]))
+    assert not any(ran for _, ran in used(CONV_CASES[0], None))
 
 
 def _strip_faces(pshape, gshape):
-    """This rank's strips (faces) of a 3x3 'same' conv, the default local step."""
+    """This rank's strips (faces) of a 3x3 'same' conv in the strip form."""
     P = Partition.grid(pshape)
     layer = gnn.DistributedConv2d(P, 2, 2, 3, 1, 1, dtype=torch.float64)
     layer(block_of(global_tensor(gshape), P))
@@ -117,8 +135,8 @@ def _strip_faces(pshape, gshape):
 
 
 def test_strips_only_for_faces_with_a_halo(cluster):
-    """The default form computes a strip per face that holds a halo; a face of global
-    zero padding adds nothing and gets none."""
+    """The strip form computes a strip per face that holds a halo; a face of global zero
+    padding adds nothing and gets none."""
     assert cluster.run(2, _strip_faces, (1, 1, 1, 2), (1, 2, 8, 10)) == [[3], [3]]
     assert cluster.run(4, _strip_faces, (1, 1, 2, 2), (1, 2, 8, 10)) == [[2, 3]] * 4
     assert cluster.run(3, _strip_faces, (1, 1, 1, 3), (1, 2, 8, 12)) == [[3], [3, 3], [3]]

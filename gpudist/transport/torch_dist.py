@@ -257,10 +257,10 @@ class TorchDistTransport(Transport):
     # broadcast and the senders of a reduce leave ``tensor`` untouched (a copy back would
     # bump its autograd version: the sender's input may be saved for backward).
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
-        s = self._in(("bcast", group.ranks, src), tensor)
+        key, root = ("bcast", group.ranks, src), self.rank == src
+        s = self._in(key, tensor) if root else self._out(key, tensor)  # (nothing to stage in)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        back = None if self.rank == src else tensor
-        return self._coll(w, group.doing(f"broadcast from {src}"), s, back)
+        return self._coll(w, group.doing(f"broadcast from {src}"), s, None if root else tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
