@@ -17,6 +17,8 @@ avoid). Layers (``--layers``):
                    messages by itself: gloo, NCCL, not MPI without a progress thread)
 * ``conv2d_chan``  DistributedConv2d, channels split: P_w (1,2,N/2,1,1), x (1,N/2,1,1)
 * ``maxpool2d``    DistributedMaxPool2d 3x3, stride 2, padding 1, spatial partition
+* ``maxpool2d_copy`` the same with ``edge_split = False`` (the block copied into the halo
+                   buffer, pooling of that)
 * ``avgpool2d``    DistributedAvgPool2d 2x2, stride 2, spatial partition
 * ``batchnorm2d``  DistributedBatchNorm (training mode), spatial partition
 * ``upsample2d``   DistributedUpsample bilinear x2, spatial partition (if available)
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from .common import Timer, add_common_args, paired, peak_memory_mib, progress, run_suite
 
 LAYERS = ["conv2d", "conv2d_strips", "conv2d_strips_serial", "conv2d_strips_overlap",
-          "conv2d_chan", "maxpool2d", "avgpool2d", "batchnorm2d", "upsample2d",
+          "conv2d_chan", "maxpool2d", "maxpool2d_copy", "avgpool2d", "batchnorm2d", "upsample2d",
           "upsample2d_crop", "linear"]
 
 
@@ -96,9 +98,10 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
         xr = torch.rand(shape[0], ci, *shape[2:], device=dev)
         return (layer, _block(G, P_x), lambda t: F.conv2d(t, wl, None, 1, 1), xr,
                 f"w 1x2x{n // 2}x1x1")
-    if name in ("maxpool2d", "avgpool2d"):
-        if name == "maxpool2d":
+    if name in ("maxpool2d", "maxpool2d_copy", "avgpool2d"):
+        if name != "avgpool2d":
             layer, ref = gnn.DistributedMaxPool2d(P, 3, 2, 1), torch.nn.MaxPool2d(3, 2, 1)
+            layer.edge_split = name == "maxpool2d"
             rfn = ref if whole else (lambda t: F.max_pool2d(t, 3, 2, 1))
         else:
             layer, ref = gnn.DistributedAvgPool2d(P, 2, 2), torch.nn.AvgPool2d(2, 2)
