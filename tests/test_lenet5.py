@@ -76,6 +76,30 @@ def test_distributed_equals_sequential(cluster, backend):
     assert shapes["c5.weight"] == (120, 400) and shapes["out.bias"] == (10,)
 
 
+def _train_both_staged():
+    """:func:`_train_both` with every tensor through the transport's staging buffers, the
+    path CUDA tensors take over gloo and a host-only MPI (a staged broadcast once copied
+    back into its root's input, a ReLU output saved for backward: LeNet-5 at 4 ranks on a
+    GPU failed in backward; this reproduced it on CPU)."""
+    import gpudist
+
+    tr = gpudist.world().transport
+    was = tr.stage_all
+    tr.stage_all = True
+    try:
+        return _train_both()
+    finally:
+        tr.stage_all = was
+        tr.staging.clear()
+
+
+def test_distributed_equals_sequential_staged(cluster, backend):
+    seq_losses, dist_losses, diffs, _, _ = cluster.run(4, _train_both_staged,
+                                                       backend=backend)[0]
+    assert max(abs(a - b) for a, b in zip(seq_losses, dist_losses)) < 1e-10
+    assert len(dist_losses) == STEPS and max(diffs.values()) < 1e-10, diffs
+
+
 def test_parameter_placement(cluster):
     """Conv weights on worker 0 only; affine blocks 60x200, 42x60, 5x42 everywhere and
     biases on workers 0 and 2 (the first column of the 2x2 weight partition)."""
