@@ -355,6 +355,30 @@ def test_staged_inputs_keep_their_version(cluster, backend):
         assert all(oks), oks
 
 
+def _every_layer_staged():
+    """The GPU suite's every-layer comparison (tests/test_gpu.py) on CPU tensors, every
+    tensor through the staging buffers as CUDA tensors go over gloo and MPI."""
+    from tests.test_gpu import _every_layer
+
+    tr = gpudist.world().transport
+    was = tr.stage_all
+    tr.stage_all = True
+    try:
+        return _every_layer()
+    finally:
+        tr.stage_all = was
+        tr.staging.clear()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_layer_staged(cluster, backend, n):
+    for per_rank in cluster.run(n, _every_layer_staged, backend=backend):
+        for name, errs in per_rank.items():  # (the CUDA-placement check says 1 on CPU)
+            assert all(v < 1e-10 for k, v in errs.items() if k != "on_device_or_empty"), \
+                (name, errs)
+        assert {"conv", "batchnorm", "upsample"} <= set(per_rank)
+
+
 def _kept():
     """Bytes each primitive keeps between calls after a Broadcast and a SumReduce back."""
     w = gpudist.world()

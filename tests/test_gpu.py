@@ -6,8 +6,9 @@ conv+pool+linear step captured in a CUDA graph and replayed.
 
 Without a GPU every test skips with the reason. The same code paths run on CPU elsewhere:
 test_layers.py / test_norm_loss.py (layers), test_data_path.py (forced host staging: every
-tensor through the transport's staging buffers), test_kernels.py (CUDA kernels in Numba's
-simulator). ``tests/test_multigpu.py`` holds what needs several GPUs.
+tensor through the transport's staging buffers; this module's every-layer comparison runs
+there staged on CPU, and test_lenet5.py's LeNet-5 too), test_kernels.py (CUDA kernels in
+Numba's simulator). ``tests/test_multigpu.py`` holds what needs several GPUs.
 """
 
 import pytest
