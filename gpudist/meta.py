@@ -118,11 +118,18 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
     kinds = {(x.name, x.config) for x in rows}
     if len(kinds) > 1:
         detail = "; ".join(f"rank {r}: {x.describe()}" for r, x in zip(ranks, rows))
+        if len({x.name for x in rows}) > 1:
+            why = ("the program differs between ranks (a layer or partition created, skipped "
+                   "or called on some ranks only)")
+        else:
+            why = (f"every rank runs {rows[0].name}, with other options on some ranks (the "
+                   f"config hash covers its options, e.g. kernel size, stride, mode, eps, "
+                   f"momentum, reduction, and its parameters' dtypes: a layer built with "
+                   f"other options, its options changed after a call, or two such layers "
+                   f"called in another order)")
         err = MismatchError(
             f"{what}: ranks run different operators at the same point of the program "
-            f"({detail}): the program differs between ranks (a layer or partition created, "
-            f"skipped or called on some ranks only, or a layer built with other options, "
-            f"or its options or parameter dtypes changed on some ranks)")
+            f"({detail}): {why}; the programs have diverged, so the world ends")
         _diverged(err, what, world)
 
 

@@ -1322,17 +1322,23 @@ def _options_differ(kind):
     elif kind == "upsample":
         layer = gnn.DistributedUpsample(P, scale_factor=2,
                                         mode="nearest" if w.rank == 0 else "bilinear")
+    elif kind == "batchnorm":
+        layer = gnn.DistributedBatchNorm(P, 1, eps=1e-5 if w.rank == 0 else 1e-3,
+                                         dtype=torch.float64)
     else:
         layer = gnn.DistributedMSELoss(P, "mean" if w.rank == 0 else "sum")
         return layer(x, _dist(P, (1, 1, 8, 8)))
     return layer(x)
 
 
-@pytest.mark.parametrize("kind", ["pool", "upsample", "loss"])
+@pytest.mark.parametrize("kind", ["pool", "upsample", "loss", "batchnorm"])
 def test_layer_options_differ_between_ranks(cluster, kind):
+    """A MismatchError on every rank saying that the same layer runs with other options
+    on some ranks, and that the world ends (the programs have diverged)."""
     errs, secs = _run_timed(cluster, 2, _options_differ, kind)
     cluster.discard(2, "gloo")
-    _is_mismatch_everywhere(errs, "other options")
+    _is_mismatch_everywhere(errs, "with other options on some ranks")
+    _is_mismatch_everywhere(errs, "the world ends")
     assert secs < FAST, secs
 
 

@@ -26,8 +26,9 @@ from torch's own index math (``aten/src/ATen/native/UpSample.h``), reproduced ex
 The distributed layer: outputs are block-balanced over the partition like every gpudist
 layer; per dimension each worker's output range maps through its taps to a needed input
 interval; :meth:`~gpudist.halo.HaloGeometry.from_intervals` turns these intervals into a
-halo geometry (a worker needing data from beyond its direct neighbours is a
-:class:`~gpudist.errors.HaloError` on every worker), the halo exchange fetches the halos, and
+halo geometry (data from beyond a worker's direct neighbours comes over several hops; a
+geometry it cannot express is a :class:`~gpudist.errors.HaloError` on every worker), the
+halo exchange fetches the halos, and
 each worker applies the taps dimension by dimension with ``index_select`` and its weights.
 The adjoint is autograd's (``index_add`` of the weighted gradients, then the exchange's
 adjoint H*). The global input shape comes with a DistTensor (a plain block: one exchange per call).
@@ -334,9 +335,9 @@ class DistributedUpsample(DistributedModule):
     Modes: ``nearest``, ``nearest-exact``, ``area`` (1-3 spatial dims), ``linear`` (1),
     ``bilinear``/``bicubic`` (2), ``trilinear`` (3); the spatial rank is ``P_x.dim - 2``.
     ``align_corners`` only with the interpolating modes (default False). The output is
-    block-balanced over ``P_x`` like the input; each worker exchanges halos with its direct
-    neighbours only (:class:`HaloError` on every worker otherwise: use fewer workers or a
-    larger input). Inactive ranks take and return zero-volume tensors. Bad options raise a
+    block-balanced over ``P_x`` like the input; a halo wider than a neighbour's block
+    comes over several hops (a geometry the halo cannot express is a :class:`HaloError` on
+    every worker). Inactive ranks take and return zero-volume tensors. Bad options raise a
     ``ValueError`` naming the option at construction, on every rank.
 
     Without a spatial split (``P_x`` = (P_b, P_c, 1, ..)) every block holds whole spatial
@@ -447,7 +448,7 @@ class DistributedUpsample(DistributedModule):
 
     def dims(self, spec: TensorSpec) -> tuple[tuple[HaloGeometry, ...], list[Taps]]:
         """Per-dim halo geometry and taps for an input tensor (cached; raises HaloError on
-        every rank if a worker needs more than its direct neighbours own)."""
+        every rank where the halo cannot express what a worker needs)."""
         return self.geo_cache.get_or_make(spec, lambda: self._dims(spec))
 
     def _dims(self, spec: TensorSpec):
