@@ -20,7 +20,7 @@ from gpudist.primitives import (
     SumReduce,
 )
 from tests.conftest import BACKENDS
-from tests.util import global_tensor
+from tests.util import forced_staging, global_tensor
 
 
 class _Counter(TorchDispatchMode):
@@ -282,10 +282,7 @@ def _staged():
     """Every tensor through the transport's staging buffers (as for CUDA tensors on gloo
     or a host-only MPI): the same results, and the buffers are made once."""
     w = gpudist.world()
-    tr = w.transport
-    was = tr.stage_all
-    tr.stage_all = True
-    try:
+    with forced_staging() as tr:
         P = Partition.grid((1, 1, w.size))
         G = global_tensor((2, 3, 5 * w.size), seed=3)
         x = G[..., 5 * w.rank:5 * (w.rank + 1)].clone()
@@ -298,16 +295,12 @@ def _staged():
         for _ in range(3):
             H(x)
         return ok, tr.staging.allocations - before, before > 0
-    finally:
-        tr.stage_all = was
-        tr.staging.clear()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_staging_path(cluster, backend):
     for ok, new, used in cluster.run(3, _staged, backend=backend):
         assert ok and used and new == 0
-
 
 
 def _staged_inputs_untouched():
@@ -317,10 +310,7 @@ def _staged_inputs_untouched():
     Checked at the transport (where the primitives' own scratch copies cannot hide it)
     and through the primitives with a backward."""
     w = gpudist.world()
-    tr = w.transport
-    was = tr.stage_all
-    tr.stage_all = True
-    try:
+    with forced_staging() as tr:
         g = tr.group(list(range(w.size)))
         t = torch.full((5,), float(w.rank + 1))
         v = t._version
@@ -344,9 +334,6 @@ def _staged_inputs_untouched():
         want = 2 * s * s * F.relu(a.detach()) * (a.detach() > 0)
         grad_ok = w.rank != 0 or torch.allclose(a.grad, want)
         return bcast_ok, reduce_ok, grad_ok
-    finally:
-        tr.stage_all = was
-        tr.staging.clear()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -360,14 +347,8 @@ def _every_layer_staged():
     tensor through the staging buffers as CUDA tensors go over gloo and MPI."""
     from tests.test_gpu import _every_layer
 
-    tr = gpudist.world().transport
-    was = tr.stage_all
-    tr.stage_all = True
-    try:
+    with forced_staging():
         return _every_layer()
-    finally:
-        tr.stage_all = was
-        tr.staging.clear()
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -10,6 +10,7 @@ import torch
 
 from gpudist.examples import lenet5, mnist
 from tests.harness import ROOT
+from tests.util import forced_staging
 
 STEPS, BATCH, SEED = 3, 32, 7
 
@@ -81,16 +82,8 @@ def _train_both_staged():
     path CUDA tensors take over gloo and a host-only MPI (a staged broadcast once copied
     back into its root's input, a ReLU output saved for backward: LeNet-5 at 4 ranks on a
     GPU failed in backward; this reproduced it on CPU)."""
-    import gpudist
-
-    tr = gpudist.world().transport
-    was = tr.stage_all
-    tr.stage_all = True
-    try:
+    with forced_staging():
         return _train_both()
-    finally:
-        tr.stage_all = was
-        tr.staging.clear()
 
 
 def test_distributed_equals_sequential_staged(cluster, backend):

@@ -2,11 +2,29 @@
 
 import math
 import os
+from contextlib import contextmanager
 
 import torch
 
 from gpudist import Decomposition, Partition
 from gpudist.primitives import zero_volume
+
+
+@contextmanager
+def forced_staging():
+    """Inside: every tensor through this rank's transport's staging buffers (the path CUDA
+    tensors take over gloo and a host-only MPI); the previous setting and empty buffers
+    after."""
+    import gpudist
+
+    tr = gpudist.world().transport
+    was = tr.stage_all
+    tr.stage_all = True
+    try:
+        yield tr
+    finally:
+        tr.stage_all = was
+        tr.staging.clear()
 
 
 def global_tensor(shape, seed=0, dtype=torch.float64):
