@@ -84,7 +84,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log it, go o
 }
 
 gpu_suite() {
-    step gpu-suite "${GPU_SUITE_S:-240}" $PY -m pytest -v -rA --durations=0 -m gpu tests -p no:cacheprovider
+    step gpu-suite "${GPU_SUITE_S:-240}" $PY -m pytest -v -rA --durations=0 -m gpu tests \
+        -p no:cacheprovider
 }
 gpu_benches() {
     step gpu-layers-ws1 90 $PY -m bench layers --device cuda --backend gloo --ranks 1 \
