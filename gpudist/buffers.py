@@ -28,6 +28,11 @@ def _refs(t: torch.Tensor) -> int:
     return _use_count(t.untyped_storage()._cdata)
 
 
+def nbytes(tensors) -> int:
+    """The bytes the given tensors hold (what the bench reports as kept)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class BufferPool:
     """Reusable tensors, at most ``per_key`` alive per key (more are allocated fresh), for
     the ``max_keys`` most recently used keys (older shapes are dropped)."""
@@ -70,7 +75,7 @@ class BufferPool:
         self._bufs.clear()
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for s in self._bufs.values() for b, _ in s)
+        return nbytes(b for s in self._bufs.values() for b, _ in s)
 
 
 def alias(base: torch.Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]

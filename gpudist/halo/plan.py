@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..buffers import nbytes
 from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
 from ..kernels.regions import box_shape, collapse, dense_strides
@@ -277,7 +278,7 @@ class HaloPlan:
 
     def kept_nbytes(self) -> int:
         """Bytes of the send/receive buffers this plan keeps."""
-        return sum(t.numel() * t.element_size() for pair in self._bufs.values() for t in pair)
+        return nbytes(t for pair in self._bufs.values() for t in pair)
 
     # -- views of a working buffer ---------------------------------------------------------
     def bulk(self, W: torch.Tensor) -> torch.Tensor:

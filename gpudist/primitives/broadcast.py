@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..buffers import LRU
+from ..buffers import LRU, nbytes
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
@@ -136,8 +136,8 @@ class FanPlan:
 
     def program_nbytes(self) -> int:
         """Bytes of the reduce programs' buffers this rank keeps."""
-        return sum(p.buffer.numel() * p.buffer.element_size()
-                   for lru in self._programs.values() for p in lru.values() if p is not None)
+        return nbytes(p.buffer for lru in self._programs.values() for p in lru.values()
+                      if p is not None)
 
     def _program(self, role: str, fan: _Fan, x: torch.Tensor):
         """The transport's reduce program for ``fan`` and sums shaped like ``x`` (None:

@@ -131,13 +131,14 @@ class Staging:
 
     def __init__(self) -> None:
         self._pool = BufferPool(max_keys=256)
+        self._pin = torch.cuda.is_available()  # (asked once, not per staged operation)
 
     @property
     def allocations(self) -> int:
         return self._pool.allocations
 
     def host(self, key: object, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return self._pool.get(key, shape, dtype, _CPU, pin=torch.cuda.is_available())
+        return self._pool.get(key, shape, dtype, _CPU, pin=self._pin)
 
     def stage_in(self, key: object, t: torch.Tensor) -> torch.Tensor:
         """``t``'s data on the host (asynchronous copy on the current stream, then a sync
