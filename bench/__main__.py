@@ -8,6 +8,9 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from .common import want_huge_pages
+
+    want_huge_pages(argv)  # before torch starts
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 

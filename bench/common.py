@@ -61,6 +61,10 @@ def add_common_args(p: argparse.ArgumentParser, ranks: int = 4) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes, few repeats (tests)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="run with THP_MEM_ALLOC_ENABLE=1: torch's CPU allocator backs tensors "
+                        "of 2 MiB and more with transparent huge pages (every buffer, "
+                        "gpudist's and the references', alike)")
 
 
 def device_of(args) -> str:
@@ -68,6 +72,53 @@ def device_of(args) -> str:
 
 
 # --------------------------------------------------------------------------- machine info
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # read once by torch's CPU allocator, at its start
+
+
+def want_huge_pages(argv: Sequence[str]) -> None:
+    """``--huge-pages``: set ``THP_MEM_ALLOC_ENABLE=1`` before torch starts (the ranks,
+    forked or started by ``mpiexec``, inherit it); re-exec this command if torch has
+    started already (the allocator reads the variable once)."""
+    if "--huge-pages" not in argv or os.environ.get(HUGE_PAGES_ENV) == "1":
+        return
+    os.environ[HUGE_PAGES_ENV] = "1"
+    if "torch" in sys.modules:
+        os.execv(sys.executable, [sys.executable, "-m", "bench", *argv])
+
+
+def torch_uses_huge_pages() -> bool | None:
+    """Whether torch's CPU allocator asks for transparent huge pages for large tensors in
+    this process: the mapping of a fresh 8 MiB tensor carries the ``hg`` flag
+    (``MADV_HUGEPAGE``) in ``/proc/self/smaps``. None where that file is not there."""
+    import torch
+
+    t = torch.empty(8 * MiB, dtype=torch.uint8)
+    at = t.data_ptr()
+    try:
+        inside = False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if head.endswith(":"):
+                    if inside and head == "VmFlags:":
+                        return "hg" in line.split()
+                    continue
+                lo, _, hi = head.partition("-")
+                inside = int(lo, 16) <= at < int(hi, 16)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return next((w[1:-1] for w in text.split() if w.startswith("[")), text.strip())
+
+
 def machine_info(backend: str | None = None) -> dict:
     import torch
 
@@ -81,6 +132,8 @@ def machine_info(backend: str | None = None) -> dict:
         "torch": torch.__version__,
         "backend": backend,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "thp_mode": _thp_mode(),
+        "torch_huge_pages": torch_uses_huge_pages(),
     }
     try:
         info["git_commit"] = subprocess.run(

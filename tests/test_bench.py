@@ -22,7 +22,7 @@ def _run(args: list[str], out: Path) -> None:
 
 
 @pytest.mark.parametrize("suite,extra", [
-    ("primitives", ["--sizes", "4KiB", "--no-hint-compare"]),
+    ("primitives", ["--sizes", "4KiB", "--no-hint-compare", "--huge-pages"]),
     ("halo", []),
     ("layers", []),
     ("scaling", []),
@@ -39,6 +39,11 @@ def test_suite_writes_results(tmp_path, suite, extra):
     assert js and cs
     data = json.loads(js[0].read_text())
     assert data["meta"]["torch"] and data["meta"]["cpu_count"]
+    if Path("/proc/self/smaps").exists():  # the ranks' torch asks for huge pages iff told
+        import os
+
+        told = "--huge-pages" in extra or os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+        assert data["meta"]["torch_huge_pages"] is told, data["meta"]
     rows = data["rows"]
     assert rows
     for r in rows:
