@@ -88,12 +88,16 @@ def want_huge_pages(argv: Sequence[str]) -> None:
 
 def torch_uses_huge_pages() -> bool | None:
     """Whether torch's CPU allocator asks for transparent huge pages for large tensors in
-    this process: the mapping of a fresh 8 MiB tensor carries the ``hg`` flag
-    (``MADV_HUGEPAGE``) in ``/proc/self/smaps``. None where that file is not there."""
+    this process (a fresh 8 MiB tensor's memory: :func:`advised_huge_pages`)."""
     import torch
 
     t = torch.empty(8 * MiB, dtype=torch.uint8)
-    at = t.data_ptr()
+    return advised_huge_pages(t.data_ptr())
+
+
+def advised_huge_pages(address: int) -> bool | None:
+    """Whether the mapping holding ``address`` carries the ``hg`` flag (``MADV_HUGEPAGE``)
+    in ``/proc/self/smaps``; None where that file is not there or does not list it."""
     try:
         inside = False
         with open("/proc/self/smaps") as f:
@@ -104,7 +108,7 @@ def torch_uses_huge_pages() -> bool | None:
                         return "hg" in line.split()
                     continue
                 lo, _, hi = head.partition("-")
-                inside = int(lo, 16) <= at < int(hi, 16)
+                inside = int(lo, 16) <= address < int(hi, 16)
     except (OSError, ValueError):
         return None
     return None

@@ -142,3 +142,33 @@ def test_targets_checklist_verdicts():
                         "broadcast 1 MiB fwd": "met", "broadcast 4 MiB fwd": "unclear",
                         "broadcast 64 MiB fwd": "not met",
                         "broadcast 64 KiB fwd": "unclear"}, lines
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only (madvise)")
+def test_page_size_probe_runs_under_mpiexec():
+    """bench/pages.py (RESULTS.md's page-size finding): two rounds of its four cases, and
+    its huge-page buffer is advised as such (``hg`` in the mapping's flags)."""
+    from tests.conftest import HAS_MPI
+    from tests.harness import mpiexec
+
+    if not HAS_MPI:
+        pytest.skip("mpi4py or mpiexec not installed")
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "bench.pages", "--mib",
+                        "4", "--repeats", "2"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [x for x in p.stdout.splitlines() if "MiB Bcast" in x]
+    assert len(lines) == 8 and all(x.endswith(" ms") for x in lines), p.stdout
+
+    import os
+
+    import torch
+
+    from bench.common import MiB, advised_huge_pages
+    from bench.pages import huge_pages
+
+    t = huge_pages(4 * MiB)
+    assert advised_huge_pages(t.data_ptr()) is True
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch's own 4 MiB: small pages
+        u = torch.rand(MiB)
+        assert advised_huge_pages(u.data_ptr()) is False
