@@ -306,6 +306,42 @@ def test_max_pool_edge_split_equals_torch(cluster, backend):
                    for r in per_rank), case[0]
 
 
+def _integer_max_pools():
+    """Integer max pooling where windows reach into the global padding (padding,
+    ceil_mode), edge split and whole buffer: equal to torch's (a fuzz found int64 with
+    ceil_mode raising a bare overflow error on the ranks holding data: the -inf fill)."""
+    from gpudist import DistTensor
+
+    out = []
+    for dt in (torch.int64, torch.int32, torch.int8, torch.uint8):
+        for pshape, ranks, g, opts in [
+                ((1, 1, 2, 2), [0, 1, 2, 3], (2, 2, 9, 7), dict(kernel_size=3, stride=2,
+                                                                 padding=1)),
+                ((1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 9, 7), dict(kernel_size=2,
+                                                                 ceil_mode=True)),
+                ((2, 1, 1, 1), [0, 1], (2, 1, 5, 5), dict(kernel_size=2, ceil_mode=True))]:
+            P = Partition(ranks, pshape)
+            G = ((torch.arange(torch.Size(g).numel()) * 7 % 23) - 11).reshape(g)
+            G = (G.abs() if dt == torch.uint8 else G).to(dt)
+            want = torch.nn.functional.max_pool2d(G, **opts)
+            for split in (True, False):
+                layer = gnn.DistributedMaxPool2d(P, **opts)
+                layer.edge_split = split
+                x = G[Decomposition(g, P.shape).global_slices(P.coords)].clone() \
+                    if P.active else torch.zeros(0, dtype=dt)
+                y = layer(DistTensor.from_local(x, P, g))
+                mine = want[Decomposition(tuple(want.shape), P.shape).global_slices(
+                    P.coords)] if P.active else None
+                out.append(y.local.dtype == dt and (mine is None
+                                                    or torch.equal(y.local, mine)))
+    return out
+
+
+def test_integer_max_pool_with_padding_equals_torch(cluster):
+    res = cluster.run(WORLD, _integer_max_pools)
+    assert all(all(r) for r in res) and len(res[0]) == 24, res
+
+
 def _refused_inputs():
     """Inputs torch's op refuses, on a depth split over two ranks (one block empty where
     the global depth is 1): an error on every rank, not torch's on the ranks with data."""

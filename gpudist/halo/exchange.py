@@ -23,7 +23,7 @@ from ..partition import Partition
 from ..primitives.base import Plan, Primitive
 from ..spec import TensorSpec
 from .geometry import HaloGeometry, halo_spec
-from .plan import HaloPlan, Shell, slices
+from .plan import HaloPlan, Shell, fill_value, slices
 
 GeometryFn = Callable[[TensorSpec], Sequence[HaloGeometry]]
 
@@ -131,8 +131,9 @@ class HaloExchange(Primitive):
         halos. One call of this operator on every worker, messages or none."""
         hp: HaloPlan = plan.local
         W = self.buffers.get("work", hp.work_shape, x.dtype, x.device)
+        fill = fill_value(hp.fill, W.dtype)
         for box in shell.fill:
-            W[slices(box)].fill_(hp.fill)
+            W[slices(box)].fill_(fill)
         for wb, xb in shell.pairs:
             W[slices(wb)].copy_(x[slices(xb)])
         return InFlight(hp, W, False, self.numbered(plan), nullcontext(), self._overlaps())
@@ -172,7 +173,7 @@ class HaloExchange(Primitive):
         hp.exchange_(W)
         if hp.only_padding:
             out = self.buffers.get("padding", hp.out_shape, x.dtype, x.device)
-            return out.fill_(hp.fill)
+            return out.fill_(fill_value(hp.fill, out.dtype))
         return _box_of(W, hp.out_box)
 
     def adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -64,6 +64,19 @@ def run_offset(box: Box, shape: Sequence[int]) -> int | None:
 
 
 @functools.lru_cache(maxsize=4096)  # boxes are plans' constants, indexed on every call
+def fill_value(value: float, dtype: torch.dtype) -> float | int | bool:
+    """``value`` as a fill of ``dtype``: an infinity becomes the extreme value of an
+    integer or bool dtype (max pooling's -inf padding of an int64 tensor: its minimum, which
+    no window's maximum can be below, as torch's own padding behaves)."""
+    if value not in (float("inf"), float("-inf")) or dtype.is_floating_point \
+            or dtype.is_complex:
+        return value
+    if dtype == torch.bool:
+        return value > 0
+    info = torch.iinfo(dtype)
+    return info.max if value > 0 else info.min
+
+
 def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
@@ -291,7 +304,7 @@ class HaloPlan:
 
     def fill_padding(self, W: torch.Tensor) -> None:
         for box in self.pad_slabs:
-            W[slices(box)].fill_(self.fill)
+            W[slices(box)].fill_(fill_value(self.fill, W.dtype))
 
     def zero_outside(self, G: torch.Tensor) -> None:
         for box in self.outside:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, Shell, numel, slices
+from ..halo.plan import Box, HaloPlan, Shell, fill_value, numel, slices
 from ..primitives import Plan
 from ..primitives.base import layer_adjoint
 
@@ -170,8 +170,8 @@ class _EdgeMaxPool(torch.autograd.Function):
         W = ex.buffer
         strip_idx = []
         for i, st in enumerate(ep.strips):
-            S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,
-                              init=lambda t: t.fill_(_NEG))  # -inf but for the slab
+            S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,  # -inf but
+                              init=lambda t: t.fill_(fill_value(_NEG, t.dtype)))  # the slab
             S[slices(st.dst)].copy_(W[slices(st.src)])
             ys, js = fn(S, k, s, st.padding, d, return_indices=True)
             y[slices(st.y_box)].copy_(ys[slices(st.crop)])
