@@ -137,6 +137,10 @@ class Control:
         self._op: Op | None = None
         self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
+        # the number of the launch pool's task this rank runs (gpudist.launch.serve; the
+        # same on every rank), None outside a pool: a peer that finished this task without
+        # reaching an operator this rank waits in never will
+        self.task: int | None = None
         self.spin_s = setting("GPUDIST_SPIN_S", SPIN_S)
         self.nap_max_s = setting("GPUDIST_NAP_MAX_S", NAP_MAX_S)
 
@@ -341,6 +345,18 @@ class Control:
         except Exception:
             pass
 
+    def task_done(self) -> None:
+        """Publish that this rank's function of pool task ``self.task`` returned, with its
+        operator counts (a peer still waiting for it there is told at its diagnosis)."""
+        if self.store is None or self.task is None:
+            return
+        try:
+            self.store.set(f"state/{self.rank}", json.dumps(
+                {"idle": True, "task_done": self.task,
+                 "counts": [[list(g), n] for g, n in self._seq.items()]}))
+        except Exception:  # noqa: BLE001 - a diagnostic only
+            pass
+
     def _peer_states(self, ranks: Sequence[int]) -> dict[int, dict | None]:
         out: dict[int, dict | None] = {}
         for r in ranks:
@@ -361,6 +377,14 @@ class Control:
             return
         self._publish(op, since)
         for r, st in self._peer_states(op.group).items():
+            if st and self.task is not None and st.get("task_done") == self.task:
+                theirs = {tuple(g): n for g, n in st.get("counts", [])}
+                if theirs.get(op.group, 0) < op.seq:
+                    self._mismatch(what, f"rank {r} finished its task (the function "
+                                         f"returned) without reaching {op.what} (operator "
+                                         f"#{op.seq} of group {list(op.group)}), which rank "
+                                         f"{self.rank} waits in")
+                continue
             if not st or "group" not in st:
                 continue
             self._check_passed(r, st, what)

@@ -76,6 +76,7 @@ def serve(conn: Connection) -> None:
     world is still usable (an aborted world ends the pool)."""
     import gpudist
 
+    task = 0  # numbered alike on every rank: each task goes to all of them, in order
     while True:
         try:
             msg = conn.recv()
@@ -84,12 +85,18 @@ def serve(conn: Connection) -> None:
         if msg is None:
             break
         fn, args, kwargs = msg
+        task += 1
+        w = gpudist.runtime._WORLD
+        if w is not None:
+            w.control.task = task
         try:
             with _failure_scope():
                 out = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # report everything, keep serving
             out = ("err", RankError(type(e).__name__, str(e), traceback.format_exc()))
         w = gpudist.runtime._WORLD
+        if w is not None and w.control.task == task:  # peers waiting for this rank in
+            w.control.task_done()  # the task are told it will not come
         alive = w is not None and w.control.aborted is None
         try:
             conn.send((*out, alive))

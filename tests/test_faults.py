@@ -214,6 +214,37 @@ def test_skipped_layer_is_a_mismatch(cluster, backend):
     assert secs < FAST, secs
 
 
+def _one_rank_goes_on(kind):
+    """Rank 1 alone runs one more collective (or its batch norm, switched to eval mode on
+    rank 1 only, checks its running statistics over the world); ranks 0 and 2 return."""
+    w = gpudist.world()
+    P = Partition.grid((3,))
+    if kind == "allsum":
+        if w.rank == 1:
+            AllSumReduce(P, [0])(torch.ones(3, dtype=torch.float64))
+        return
+    bn = gnn.DistributedBatchNorm(Partition([0, 2], (2, 1, 1)), 2, dtype=torch.float64)
+    loc = torch.randn(2, 2, 4, dtype=torch.float64) if w.rank != 1 else \
+        torch.zeros(0, 0, 0, dtype=torch.float64)
+    x = DistTensor.from_local(loc, bn.P_x, (4, 2, 4))
+    bn(x)
+    bn.train(w.rank != 1)  # rank 1, outside the layer's partition, alone in eval mode
+    bn(x)
+
+
+@pytest.mark.parametrize("kind", ["allsum", "batchnorm-eval"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_waiting_for_peers_that_finished_the_task(cluster, backend, kind):
+    """A fuzz found rank 1 waiting out the whole timeout for peers whose function had
+    returned: it is told within seconds that they finished without reaching its
+    operator (they themselves returned normally)."""
+    errs, secs = _run_timed(cluster, 3, _one_rank_goes_on, kind, backend=backend)
+    assert errs[0] is None and errs[2] is None, errs
+    assert errs[1] is not None and errs[1].type == "MismatchError", errs
+    assert "finished its task (the function returned) without reaching" in errs[1].message
+    assert secs < FAST, secs
+
+
 def _is_mismatch_everywhere(errs, text=""):
     """Every rank raised the MismatchError: itself, or as the RemoteError of the rank that
     found it first (which of the two a rank raises depends on timing)."""
@@ -584,18 +615,21 @@ def _input_dtype_vs_parameters():
     torch.manual_seed(0)
     conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
     x = DistTensor.from_local(torch.randn(2, 2, 4, 4), P, (2, 2, 8, 8))
-    try:
-        conv(x)
-        err = None
-    except gpudist.DeviceError as e:
-        err = str(e)
+    errs = []
+    for bad in (x, x.to(torch.complex128)):  # complex: a fuzz found it taken on 2+ ranks
+        try:  # (conv of the real and imaginary parts) and torch's error on one
+            conv(bad)
+            errs.append(None)
+        except gpudist.DeviceError as e:
+            errs.append(str(e))
     y = conv(x.to(torch.float64))
-    return err, tuple(y.shape)
+    return errs, tuple(y.shape)
 
 
 def test_input_dtype_against_parameters(cluster, backend):
     res = cluster.run(4, _input_dtype_vs_parameters, backend=backend)
-    assert all(e is not None and "float32" in e and "float64" in e for e, _ in res), res
+    assert all(e is not None and kind in e and "float64" in e
+               for es, _ in res for e, kind in zip(es, ("float32", "complex128"))), res
     assert all(s == (2, 3, 8, 8) for _, s in res), res
 
 
