@@ -133,8 +133,8 @@ class DistributedModule(torch.nn.Module):
                    and spec.dtype in (torch.float16, torch.bfloat16))
         cast = spec.dtype in _AUTOCAST_ELIGIBLE and dtype in _AUTOCAST_ELIGIBLE \
             and torch.is_autocast_enabled(device)  # autocast casts both (not float64)
-        if (self.same_dtype_as_parameters and spec.dtype.is_floating_point
-                and spec.dtype != dtype and not half_ok and not cast):
+        if (self.same_dtype_as_parameters and spec.dtype != dtype and not half_ok
+                and not cast and (spec.dtype.is_floating_point or spec.dtype.is_complex)):
             raise raised_everywhere(DeviceError(
                 f"{self.name}: the input is {str(spec.dtype).replace('torch.', '')}, the "
                 f"layer's parameters {str(dtype).replace('torch.', '')}; convert one of "
