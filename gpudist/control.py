@@ -46,6 +46,7 @@ ABORT_EVERY_S = 0.02
 SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
+TASK_DONE_OPS = 8  # a pool rank's last operators per group published when its task ends
 DEFAULT_DIAG_AFTER_S = setting("GPUDIST_DIAG_AFTER", 2.0)
 
 
@@ -347,15 +348,34 @@ class Control:
 
     def task_done(self) -> None:
         """Publish that this rank's function of pool task ``self.task`` returned, with its
-        operator counts (a peer still waiting for it there is told at its diagnosis)."""
+        operator counts and its last few operators per group (a peer still waiting for it
+        there is told at its diagnosis)."""
         if self.store is None or self.task is None:
             return
+        last = [[list(g), op.seq, op.fingerprint, op.what]
+                for g, n in self._seq.items() for op in self._past[g]
+                if op is not None and op.seq > n - TASK_DONE_OPS]
         try:
             self.store.set(f"state/{self.rank}", json.dumps(
                 {"idle": True, "task_done": self.task,
-                 "counts": [[list(g), n] for g, n in self._seq.items()]}))
+                 "counts": [[list(g), n] for g, n in self._seq.items()], "last": last}))
         except Exception:  # noqa: BLE001 - a diagnostic only
             pass
+
+    def _finished_peer(self, r: int, st: dict, op: Op, what: str) -> None:
+        """Peer ``r`` finished this pool task: a mismatch if it never reached ``op``, or
+        ran another operator at its number."""
+        theirs = {tuple(g): n for g, n in st.get("counts", [])}
+        where = f"{op.what} (operator #{op.seq} of group {list(op.group)})"
+        if theirs.get(op.group, 0) < op.seq:
+            self._mismatch(what, f"rank {r} finished its task (the function returned) "
+                                 f"without reaching {where}, which rank {self.rank} waits in")
+        ran = next((x for x in st.get("last", []) if tuple(x[0]) == op.group
+                    and x[1] == op.seq), None)
+        if ran is not None and ran[2] != op.fingerprint:
+            self._mismatch(what, f"rank {r} ran {ran[3]} as operator #{op.seq} of group "
+                                 f"{list(op.group)} and finished its task (the function "
+                                 f"returned), where rank {self.rank} waits in {op.what}")
 
     def _peer_states(self, ranks: Sequence[int]) -> dict[int, dict | None]:
         out: dict[int, dict | None] = {}
@@ -378,12 +398,7 @@ class Control:
         self._publish(op, since)
         for r, st in self._peer_states(op.group).items():
             if st and self.task is not None and st.get("task_done") == self.task:
-                theirs = {tuple(g): n for g, n in st.get("counts", [])}
-                if theirs.get(op.group, 0) < op.seq:
-                    self._mismatch(what, f"rank {r} finished its task (the function "
-                                         f"returned) without reaching {op.what} (operator "
-                                         f"#{op.seq} of group {list(op.group)}), which rank "
-                                         f"{self.rank} waits in")
+                self._finished_peer(r, st, op, what)
                 continue
             if not st or "group" not in st:
                 continue

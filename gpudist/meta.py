@@ -99,16 +99,29 @@ def exchange(group: Group | None, row: Row, what: str, world=None) -> list[Row]:
     from .runtime import require_world
 
     w = require_world(world)
-    mine = torch.tensor(row.v, dtype=torch.int64)
-    out = torch.empty(group.size * ROW, dtype=torch.int64)
-    with w.control.op(group.ranks, f"metadata exchange of {what}", META_FP):
+    out = torch.empty(group.size * (ROW + 1), dtype=torch.int64)
+    with w.control.op(group.ranks, f"metadata exchange of {what}", META_FP) as op:
+        # the row carries the exchange's operator number on the group: every member
+        # counts the same calls, so numbers that differ mean programs that diverged
+        mine = torch.tensor(row.v + [op.seq], dtype=torch.int64)
         w.transport.wait([w.transport.meta_all_gather(out, mine, group)],
                          f"metadata exchange of {what} over {list(group.ranks)}")
-    rows = [Row(r) for r in out.view(group.size, ROW).tolist()]
+    table = out.view(group.size, ROW + 1).tolist()
+    rows = [Row(r[:ROW]) for r in table]
     bad = [r for r, x in zip(group.ranks, rows) if x.v[0] != MAGIC]
     if bad:
         raise raised_everywhere(MismatchError(
             f"{what}: ranks {bad} sent something else than a metadata row"))
+    seqs = [r[ROW] for r in table]
+    if len(set(seqs)) > 1:
+        at = ", ".join(f"rank {r}: #{n}" for r, n in zip(group.ranks, seqs))
+        _diverged(MismatchError(
+            f"{what}: the ranks reached this check at different points of the group "
+            f"{list(group.ranks)}'s program (as its operator {at}): some ranks ran "
+            f"operators the others did not, e.g. a call whose dtype, shape or "
+            f"requires_grad changed on some ranks only, checked by those ranks alone while "
+            f"their peers' repeated calls went on; the programs have diverged, so the "
+            f"world ends"), what, world)
     return rows
 
 

@@ -223,6 +223,14 @@ def _one_rank_goes_on(kind):
         if w.rank == 1:
             AllSumReduce(P, [0])(torch.ones(3, dtype=torch.float64))
         return
+    if kind == "dtype":  # a layer that moves nothing here (batch split): rank 1's other
+        # dtype is checked by rank 1 alone, its peers' repeated calls run on
+        up = gnn.DistributedUpsample(Partition.grid((3, 1, 1)), scale_factor=2.0)
+        x = DistTensor.from_local(torch.randn(1, 2, 3, dtype=torch.float64), up.P_x,
+                                  (3, 2, 3))
+        up(x)
+        up(x.to(torch.float32) if w.rank == 1 else x)
+        return
     bn = gnn.DistributedBatchNorm(Partition([0, 2], (2, 1, 1)), 2, dtype=torch.float64)
     loc = torch.randn(2, 2, 4, dtype=torch.float64) if w.rank != 1 else \
         torch.zeros(0, 0, 0, dtype=torch.float64)
@@ -232,16 +240,42 @@ def _one_rank_goes_on(kind):
     bn(x)
 
 
-@pytest.mark.parametrize("kind", ["allsum", "batchnorm-eval"])
+@pytest.mark.parametrize("kind", ["allsum", "batchnorm-eval", "dtype"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_waiting_for_peers_that_finished_the_task(cluster, backend, kind):
     """A fuzz found rank 1 waiting out the whole timeout for peers whose function had
     returned: it is told within seconds that they finished without reaching its
-    operator (they themselves returned normally)."""
+    operator, or ran another one at its number (they themselves returned normally)."""
     errs, secs = _run_timed(cluster, 3, _one_rank_goes_on, kind, backend=backend)
     assert errs[0] is None and errs[2] is None, errs
     assert errs[1] is not None and errs[1].type == "MismatchError", errs
-    assert "finished its task (the function returned) without reaching" in errs[1].message
+    text = ("and finished its task (the function returned), where rank 1 waits in "
+            "metadata exchange of DistributedUpsample" if kind == "dtype" else
+            "finished its task (the function returned) without reaching")
+    assert text in errs[1].message, errs[1].message
+    assert secs < FAST, secs
+
+
+def _desynced_check():
+    """A layer that moves nothing (batch split): rank 1's call with another dtype is
+    checked by rank 1 alone while rank 0's repeated call runs on; then rank 0 checks a
+    call with grad. The two checks meet as different operators of the group."""
+    w = gpudist.world()
+    up = gnn.DistributedUpsample(Partition.grid((2, 1, 1)), scale_factor=2.0)
+    x = DistTensor.from_local(torch.randn(1, 2, 3, dtype=torch.float64), up.P_x, (2, 2, 3))
+    up(x)
+    up(x.to(torch.float32) if w.rank == 1 else x)
+    up(x.detach().requires_grad_(True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checks_met_at_different_operator_numbers(cluster, backend):
+    """A fuzz found such checks matching each other (both are metadata exchanges): the
+    ranks raised about the dtype, but their operator numbers stayed apart, so the next
+    check waited out the whole timeout. The exchange carries each rank's operator number:
+    numbers that differ end the world at once, on every rank."""
+    errs, secs = _run_timed(cluster, 2, _desynced_check, backend=backend)
+    _is_mismatch_everywhere(errs, "reached this check at different points")
     assert secs < FAST, secs
 
 
