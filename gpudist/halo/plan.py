@@ -63,7 +63,6 @@ def run_offset(box: Box, shape: Sequence[int]) -> int | None:
     return base if (len(sizes) == 1 and st == [1]) or numel(box) <= 1 else None
 
 
-@functools.lru_cache(maxsize=4096)  # boxes are plans' constants, indexed on every call
 def fill_value(value: float, dtype: torch.dtype) -> float | int | bool:
     """``value`` as a fill of ``dtype``: an infinity becomes the extreme value of an
     integer or bool dtype (max pooling's -inf padding of an int64 tensor: its minimum, which
@@ -77,6 +76,7 @@ def fill_value(value: float, dtype: torch.dtype) -> float | int | bool:
     return info.max if value > 0 else info.min
 
 
+@functools.lru_cache(maxsize=4096)  # boxes are plans' constants, indexed on every call
 def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
@@ -303,8 +303,9 @@ class HaloPlan:
         return W[slices(self.out_box)]
 
     def fill_padding(self, W: torch.Tensor) -> None:
+        fill = fill_value(self.fill, W.dtype)
         for box in self.pad_slabs:
-            W[slices(box)].fill_(fill_value(self.fill, W.dtype))
+            W[slices(box)].fill_(fill)
 
     def zero_outside(self, G: torch.Tensor) -> None:
         for box in self.outside:
