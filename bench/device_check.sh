@@ -16,6 +16,7 @@
 #   bash bench/device_check.sh all     # both in one call, side by side (CPU tables on cores
 #                                      # 0-7, GPU work on 8-15), every step cut to what is
 #                                      # left of DEADLINE_S (default 540 s)
+#   HUGE_PAGES=1 bash bench/device_check.sh cpu16   # the CPU tables on huge pages
 #
 # The machine has CUDA torch, CuPy and Numba but no MPI: carry PyPI wheels in .whl/ (made
 # here by `make device-wheels`, ignored by git) and name `.whl` in the call's `carry`. Its
@@ -95,12 +96,17 @@ gpu_benches() {
         --no-ws1 --layers conv2d maxpool2d upsample2d --repeats 10 --no-progress \
         --out "$RES/gpu" --tag cuda
 }
+# HUGE_PAGES=1: the CPU tables with torch's allocator on transparent huge pages (bench
+# --huge-pages; files tagged _hp), to compare with a run without
+HP=() && [ "${HUGE_PAGES:-0}" = 1 ] && HP=(--huge-pages --tag hp)
 cpu_tables() {  # cpu_tables BACKEND
-    step "halo-$1" 40 $PY -m bench halo --backend "$1" --ranks 4 --no-progress --out "$RES"
+    step "halo-$1" 40 $PY -m bench halo --backend "$1" --ranks 4 --no-progress --out "$RES" \
+        ${HP[@]+"${HP[@]}"}
     step "layers-$1" 130 $PY -m bench layers --backend "$1" --ranks 4 --no-ws1 \
-        --repeats 10 --no-progress --out "$RES"
+        --repeats 10 --no-progress --out "$RES" ${HP[@]+"${HP[@]}"}
     step "primitives-$1" 70 $PY -m bench primitives --backend "$1" --ranks 4 \
-        --sizes 64KiB 1MiB 64MiB --repeats 15 --no-hint-compare --no-progress --out "$RES"
+        --sizes 64KiB 1MiB 64MiB --repeats 15 --no-hint-compare --no-progress --out "$RES" \
+        ${HP[@]+"${HP[@]}"}
 }
 case "$PHASE" in
 gpu) gpu_suite; gpu_benches ;;
