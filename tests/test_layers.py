@@ -459,6 +459,9 @@ def _linear_case(fo_fi, ranks, batch, fin, fout):
     (6, (2, 3), [0, 1, 2, 3, 4, 5], 3, 11, 9),
     (4, (1, 3), [1, 2, 3], 4, 10, 5),
     (6, (3, 1), [5, 3, 1], 2, 6, 8),
+    # features split finer than they are: empty weight and input/output blocks
+    (4, (2, 2), [0, 1, 2, 3], 3, 1, 1),
+    (3, (1, 3), [0, 1, 2], 2, 2, 4),
 ])
 def test_linear_equivalence(cluster, backend, n, fo_fi, ranks, batch, fin, fout):
     res = cluster.run(n, _linear_case, fo_fi, ranks, batch, fin, fout, backend=backend)
