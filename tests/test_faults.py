@@ -256,6 +256,26 @@ def test_rank_waiting_for_peers_that_finished_the_task(cluster, backend, kind):
     assert secs < FAST, secs
 
 
+def _late_peer(sleep_s):
+    """Rank 0 reaches the collective ``sleep_s`` late (busy outside gpudist): a slow
+    peer, not a finished one; its state from the previous task must not count."""
+    w = gpudist.world()
+    if w.rank == 0:
+        time.sleep(sleep_s)
+    y = AllSumReduce(Partition.grid((w.size,)), [0])(torch.ones(3, dtype=torch.float64))
+    return float(y.sum())
+
+
+def test_peer_late_after_a_finished_task_is_not_a_mismatch(cluster):
+    """The previous task's published "task done" state of a rank that is busy in the next
+    task is not read as finished (tasks are numbered): the collective completes."""
+    cluster.run(3, _late_peer, 0.0)  # each rank's state: its task finished
+    t0 = time.monotonic()
+    res = cluster.run(3, _late_peer, 2.0)  # > GPUDIST_DIAG_AFTER (0.5 s in the tests)
+    assert res == [9.0, 9.0, 9.0], res
+    assert 2.0 <= time.monotonic() - t0 < FAST
+
+
 def _desynced_check():
     """A layer that moves nothing (batch split): rank 1's call with another dtype is
     checked by rank 1 alone while rank 0's repeated call runs on; then rank 0 checks a
