@@ -332,40 +332,47 @@ class Control:
 
     # -- diagnostics ----------------------------------------------------------------------
     def _publish(self, op: Op | None, since: float) -> None:
-        if self.store is None:
-            return
         if op is None:
-            state = {"idle": True}
+            self._put_state({"idle": True})
         else:
-            state = {"group": list(op.group), "seq": op.seq, "what": op.what,
-                     "fp": op.fingerprint, "needs_all": op.needs_all,
-                     "waited": time.monotonic() - since,
-                     "counts": [[list(g), n] for g, n in self._seq.items()]}
-        try:
-            self.store.set(f"state/{self.rank}", json.dumps(state))
-        except Exception:
-            pass
+            self._put_state({"group": list(op.group), "seq": op.seq, "what": op.what,
+                             "fp": op.fingerprint, "needs_all": op.needs_all,
+                             "waited": time.monotonic() - since, "counts": self._counts()})
 
     def task_done(self) -> None:
         """Publish that this rank's function of pool task ``self.task`` returned, with its
         operator counts and its last few operators per group (a peer still waiting for it
         there is told at its diagnosis)."""
-        if self.store is None or self.task is None:
+        if self.task is None:
             return
         last = [[list(g), op.seq, op.fingerprint, op.what]
                 for g, n in self._seq.items() for op in self._past[g]
                 if op is not None and op.seq > n - TASK_DONE_OPS]
+        self._put_state({"idle": True, "task_done": self.task, "counts": self._counts(),
+                         "last": last})
+
+    def _put_state(self, state: dict) -> None:
+        """This rank's state for its peers' diagnostics (best effort)."""
+        if self.store is None:
+            return
         try:
-            self.store.set(f"state/{self.rank}", json.dumps(
-                {"idle": True, "task_done": self.task,
-                 "counts": [[list(g), n] for g, n in self._seq.items()], "last": last}))
+            self.store.set(f"state/{self.rank}", json.dumps(state))
         except Exception:  # noqa: BLE001 - a diagnostic only
             pass
+
+    def _counts(self) -> list:
+        """How many operators this rank ran per group, as published."""
+        return [[list(g), n] for g, n in self._seq.items()]
+
+    @staticmethod
+    def _their_counts(st: dict) -> dict[tuple[int, ...], int]:
+        """A peer's published counts, by group."""
+        return {tuple(g): n for g, n in st.get("counts", [])}
 
     def _finished_peer(self, r: int, st: dict, op: Op, what: str) -> None:
         """Peer ``r`` finished this pool task: a mismatch if it never reached ``op``, or
         ran another operator at its number."""
-        theirs = {tuple(g): n for g, n in st.get("counts", [])}
+        theirs = self._their_counts(st)
         where = f"{op.what} (operator #{op.seq} of group {list(op.group)})"
         if theirs.get(op.group, 0) < op.seq:
             self._mismatch(what, f"rank {r} finished its task (the function returned) "
@@ -434,7 +441,7 @@ class Control:
             return False
         if self._seq.get(g, 0) >= st["seq"]:
             return False  # I have been there
-        theirs = {tuple(k): n for k, n in st.get("counts", [])}
+        theirs = self._their_counts(st)
         return theirs.get(op.group, 0) < op.seq and st.get("waited", 0) >= self.diag_after
 
     def _mismatch(self, what: str, text: str) -> None:

@@ -110,8 +110,9 @@ class HaloExchange(Primitive):
         return None  # the result is local (overlapping blocks), not a distributed tensor
 
     def make_plan(self, spec, out):
-        hp = HaloPlan(self.P_x, self.geometry_of(spec), self.packer,
-                      self.pad_value, self.op_padding, self.tag)
+        fill = None if self.pad_value is None else fill_value(self.pad_value, spec.dtype)
+        hp = HaloPlan(self.P_x, self.geometry_of(spec), self.packer, fill, self.op_padding,
+                      self.tag)
         return hp, False
 
     def local_plan(self, spec: TensorSpec) -> HaloPlan:
@@ -131,9 +132,8 @@ class HaloExchange(Primitive):
         halos. One call of this operator on every worker, messages or none."""
         hp: HaloPlan = plan.local
         W = self.buffers.get("work", hp.work_shape, x.dtype, x.device)
-        fill = fill_value(hp.fill, W.dtype)
         for box in shell.fill:
-            W[slices(box)].fill_(fill)
+            W[slices(box)].fill_(hp.fill)
         for wb, xb in shell.pairs:
             W[slices(wb)].copy_(x[slices(xb)])
         return InFlight(hp, W, False, self.numbered(plan), nullcontext(), self._overlaps())
@@ -173,7 +173,7 @@ class HaloExchange(Primitive):
         hp.exchange_(W)
         if hp.only_padding:
             out = self.buffers.get("padding", hp.out_shape, x.dtype, x.device)
-            return out.fill_(fill_value(hp.fill, out.dtype))
+            return out.fill_(hp.fill)
         return _box_of(W, hp.out_box)
 
     def adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -64,9 +64,10 @@ def run_offset(box: Box, shape: Sequence[int]) -> int | None:
 
 
 def fill_value(value: float, dtype: torch.dtype) -> float | int | bool:
-    """``value`` as a fill of ``dtype``: an infinity becomes the extreme value of an
-    integer or bool dtype (max pooling's -inf padding of an int64 tensor: its minimum, which
-    no window's maximum can be below, as torch's own padding behaves)."""
+    """``value`` as a fill of ``dtype`` (a halo plan's, made once per spec): an infinity
+    becomes the extreme value of an integer or bool dtype (max pooling's -inf padding of
+    an int64 tensor: its minimum, which no window's maximum can be below, as torch's own
+    padding behaves)."""
     if value not in (float("inf"), float("-inf")) or dtype.is_floating_point \
             or dtype.is_complex:
         return value
@@ -200,7 +201,7 @@ class HaloPlan:
     """
 
     def __init__(self, P: Partition, geometry: Sequence[HaloGeometry],
-                 packer: str | None = None, fill: float | None = None,
+                 packer: str | None = None, fill: float | int | bool | None = None,
                  leave_symmetric: bool = False, tag: int = 0) -> None:
         self.P = P
         self.geometry = tuple(geometry)
@@ -303,9 +304,8 @@ class HaloPlan:
         return W[slices(self.out_box)]
 
     def fill_padding(self, W: torch.Tensor) -> None:
-        fill = fill_value(self.fill, W.dtype)
         for box in self.pad_slabs:
-            W[slices(box)].fill_(fill)
+            W[slices(box)].fill_(self.fill)
 
     def zero_outside(self, G: torch.Tensor) -> None:
         for box in self.outside:

@@ -29,14 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from ..halo import HaloExchange
-from ..halo.plan import Box, HaloPlan, Shell, fill_value, numel, slices
+from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
 from ..primitives.base import layer_adjoint
 
 _POOL = {2: F.max_pool2d, 3: F.max_pool3d}
 _BACK = {2: torch.ops.aten.max_pool2d_with_indices_backward,
          3: torch.ops.aten.max_pool3d_with_indices_backward}
-_NEG = float("-inf")
 
 
 def padding_only_window(L: int, k: int, s: int, p: int, d: int, m: int) -> bool:
@@ -170,8 +169,8 @@ class _EdgeMaxPool(torch.autograd.Function):
         W = ex.buffer
         strip_idx = []
         for i, st in enumerate(ep.strips):
-            S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,  # -inf but
-                              init=lambda t: t.fill_(fill_value(_NEG, t.dtype)))  # the slab
+            S = H.buffers.get(("strip", i), st.shape, x.dtype, x.device,  # -inf (the
+                              init=lambda t: t.fill_(plan.local.fill))  # plan's) but the slab
             S[slices(st.dst)].copy_(W[slices(st.src)])
             ys, js = fn(S, k, s, st.padding, d, return_indices=True)
             y[slices(st.y_box)].copy_(ys[slices(st.crop)])
