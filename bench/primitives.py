@@ -29,7 +29,7 @@ was a :class:`gpudist.DistTensor` (its spec carried: no metadata exchange, the n
 between layers) or a plain local block (its spec found by a metadata exchange, once per
 local shape where every participant holds a block, every call otherwise). Memory, the
 largest over ranks: ``kept_MiB_max_rank``, what the case's operators keep between calls
-(both instances' pooled buffers and reduce programs; not the transport's buffers shared by
+(both instances' pooled buffers; not the transport's buffers shared by
 all operators, e.g. gloo reduce-scatter's chunks); ``peak_mem_MiB_max_rank``, the process's
 peak (:func:`bench.common.peak_memory_mib`).
 """

@@ -373,9 +373,9 @@ def _kept():
 
 def test_kept_bytes(cluster, backend):
     """What the bench reports as kept: the root's Broadcast returns its input (nothing
-    kept), the others' receive into a pooled block; SumReduce's root keeps its sum (and on
-    MPI its persistent reduce's buffer), the others a buffer to send from (gloo: a scratch
-    copy its reduce may overwrite; MPI: the program's)."""
+    kept), the others' receive into a pooled block; SumReduce's root keeps its sum and the
+    buffer it receives its second child's sum in (a tree of 3: children 1 and 2), the
+    others send their own block (nothing kept)."""
     for rank, kb, ks in cluster.run(3, _kept, backend=backend):
         assert kb == (0 if rank == 0 else 4000), (rank, kb)
-        assert ks == (4000 * (2 if backend == "mpi" else 1) if rank == 0 else 4000), (rank, ks)
+        assert ks == (8000 if rank == 0 else 0), (rank, ks)

@@ -6,12 +6,13 @@ or 1; read transposed sometimes, in 2-D) on another random subset (overlapping i
 not), and checks on every rank: Broadcast gives each destination worker its source
 block, SumReduce back gives each source worker the sum of its fan (and leaves its input
 alone), both pass the adjoint test. Ranks take several roles at once (root of one fan,
-member of another), which is what the fans' communicators and MPI's persistent reduces
-must get right. Every other configuration runs twice with 3-10 other block shapes in
-between (a cache holds 8). On gloo and on MPI.
+member of another), which is what the fans' communicators and the sums' trees (run
+together on a rank in two roles) must get right. Every other configuration runs twice
+with 3-10 other block shapes in between (a cache holds 8). On gloo and on MPI.
 
 ``GPUDIST_FAN_FUZZ_N`` (default 16) and ``GPUDIST_FAN_FUZZ_SEED`` (default 12; with it the
-test catches the reduce programs' shared cache of 2026-11-24, a hang) choose them.
+test caught the reduce programs' shared cache of 2026-11-24, a hang; the programs are
+gone since) choose them.
 """
 
 import os
@@ -108,7 +109,7 @@ def _run(cfgs: list[dict]) -> list[tuple[int, list[str]]]:
         Ps = Partition(cfg["src_ranks"], cfg["src"])
         Pd = Partition(cfg["dst_ranks"], cfg["dst"])
         B = Broadcast(Ps, Pd, transpose_src=cfg["transpose"])  # kept: their plans and
-        S = SumReduce(Pd, Ps, transpose_dst=cfg["transpose"])  # reduce programs too
+        S = SumReduce(Pd, Ps, transpose_dst=cfg["transpose"])  # pooled buffers too
         bad = []
         for shape in shapes:
             bad += _one(cfg, Ps, Pd, B, S, shape)

@@ -1,6 +1,5 @@
 """Primitives: forward against the definition, adjoint test, errors on every rank."""
 
-import os
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ from gpudist.primitives import (
     zero_volume,
 )
 from gpudist.testing import adjoint_mismatch
-from tests.conftest import HAS_MPI
-from tests.util import assert_program_facts, block_of, global_tensor
+from tests.util import block_of, global_tensor
 
 BLOCK = (3, 5)
 
@@ -260,97 +258,82 @@ def test_errors_on_every_rank(cluster, backend, fn, n, err, text):
         assert e.type == err and text in e.message, (r, e.type, e.message)
 
 
-def _reduce_programs():
-    """A transport's prepared reduce (MPI: a persistent collective) over 3 ranks into
-    rank 1, started several times: the sum each time; a start after a wait that failed
-    raises; freed when asked."""
-    w = gpudist.world()
-    tr = w.transport
-    g = tr.group(range(w.size))
-    prog = tr.reduce_program((2, 3), torch.float64, 1, g)
-    facts = {"made": prog is not None, "expected": getattr(tr, "persistent_reduce", False)}
-    if prog is None:
-        return facts
-    facts["unavailable_for_half"] = tr.reduce_program((2,), torch.float16, 1, g) is None
-    sums = []
-    for k in range(3):
-        prog.buffer.fill_(k + w.rank)
-        tr.wait([prog.start()], "reduce program")
-        sums.append(w.rank != 1 or prog.buffer.tolist() == [[3.0 * k + 3] * 3] * 2)
-        sums.append(w.rank == 1 or torch.equal(prog.buffer, torch.full((2, 3), k + w.rank,
-                                                                       dtype=torch.float64)))
-    facts["repeated"] = all(sums)
-    prog.requests._active[0] = True  # as after a wait that failed (the world is aborted then)
-    try:
-        prog.start()
-        facts["after_failed_wait"] = False
-    except gpudist.WorldAborted as e:
-        facts["after_failed_wait"] = "never completed" in str(e)
-    prog.requests._active[0] = False
-    prog.free()
-    facts["freed"] = all(r == tr.MPI.REQUEST_NULL for r in prog.requests.reqs)
-    return facts
+@pytest.mark.parametrize("k", range(1, 10))
+def test_fan_trees(k):
+    """The binomial tree over a fan of k members (the root 'one' in its many or not): every
+    member but the root sends once, to a member that receives from it in the same round
+    after its own children's rounds, and the edges reach the root from every member."""
+    from gpudist.primitives.broadcast import _Fan, _Tree
+
+    for many in (tuple(range(k)), tuple(range(1, k + 1))):  # the root 0 a summand or not
+        members = sorted({0, *many})
+        trees = {m: _Tree.of(_Fan(0, many, None), m) for m in members}
+        assert trees[0].parent is None and trees[0].has_x == (0 in many)
+        for m, t in trees.items():
+            if m == 0:
+                continue
+            assert t.has_x and t.parent is not None, (k, m, t)
+            r, p = t.parent
+            assert (r, m) in trees[p].children, (k, m, t, trees[p])
+            assert all(rc < r for rc, _ in t.children) and t.rounds == r + 1, (k, m, t)
+            seen = {m}
+            while p != 0:  # up to the root, no cycles
+                assert p not in seen, (k, m)
+                seen.add(p)
+                p = trees[p].parent[1]
+        assert sum(len(t.children) for t in trees.values()) == len(members) - 1
+        assert trees[0].rounds == max(0, (len(members) - 1).bit_length())
 
 
-def test_reduce_program(cluster, backend):
-    for facts in cluster.run(3, _reduce_programs, backend=backend):
-        assert_program_facts(facts, backend, "made", lambda made: 4 if made else 0)
-
-
-def _fan_reduces_over_many_shapes(n_shapes, cycles):
-    """Rank 1 is the root of the fan {1, 2, 3} and a member of the fan {0, 1}: it keeps
-    programs in two roles. More block shapes than a cache holds, in cycles: every member
-    of a fan must evict and make again the same programs (MPI_Reduce_init is collective),
-    or the reduces hang."""
+def _fan_sums_in_two_roles(cycles):
+    """Rank 1 is the root of the fan {1, 2, 3} and a member of the fan {0, 1}: it runs two
+    trees' rounds together. Block shapes change from call to call; each call gives the
+    exact sum, leaves the input alone, and repeated calls allocate nothing."""
+    from gpudist.buffers import BufferPool
     from gpudist.primitives.broadcast import FanPlan
 
     w = gpudist.world()
     f = FanPlan(Partition([0, 1], (2, 1)), Partition([0, 1, 2, 3], (2, 2)), "test")
-    ok = True
+    pool = BufferPool(max_keys=16)
+    ok, allocs = True, []
     for _ in range(cycles):
-        for s in range(n_shapes):
+        for s in range(3):
             x = torch.full((s + 1, 3), float(w.rank + 1), dtype=torch.float64)
-            out = torch.empty_like(x) if f.mine_one is not None else None
-            y = f.reduce(x, out, None)
+            out = pool.get("out", x.shape, x.dtype, x.device) if f.mine_one else None
+            y = f.reduce(x, out, lambda what, like: pool.get(what, like.shape, like.dtype,
+                                                             like.device))
+            ok = ok and bool((x == w.rank + 1).all())
             if f.mine_one is not None:
                 ok = ok and bool((y == sum(r + 1 for r in f.mine_one.many)).all())
-    return ok, w.cache_size
+            del y, out
+        allocs.append(pool.allocations)
+    return ok, allocs
 
 
-@pytest.mark.parametrize("n_shapes", [5, 11])  # more than half a cache, more than a cache
-def test_fan_reduce_programs_evicted_alike(cluster, backend, n_shapes):
-    res = cluster.run(4, _fan_reduces_over_many_shapes, n_shapes, 2, backend=backend,
-                      timeout=60)
+def test_fan_sums_in_two_roles(cluster, backend):
+    res = cluster.run(4, _fan_sums_in_two_roles, 3, backend=backend, timeout=60)
     assert all(ok for ok, _ in res), res
-    assert all(n_shapes > size / 2 for _, size in res), res
+    assert all(a[0] == a[-1] for _, a in res), res  # nothing allocated after the first cycle
 
 
-def _persistence_agreed():
-    """One rank turns persistent requests off: reduce programs (collective) are then made
-    on no rank, whatever the others' environment says."""
-    from gpudist.transport.mpi import MPITransport
-
+def _fan_sum_wide(dtype):
+    """One root outside its fan of five (three rounds, an uneven tree): the sum of the
+    members' blocks, in every dtype the sums take."""
+    P_one = Partition([5], (1,))
+    P_many = Partition([0, 1, 2, 3, 4], (5,))
+    S = SumReduce(P_many, P_one)
     w = gpudist.world()
-    old = os.environ.get("GPUDIST_MPI_PERSISTENT")
-    os.environ["GPUDIST_MPI_PERSISTENT"] = "0" if w.rank == 1 else "1"
-    try:
-        t = MPITransport()  # collective over the world, like the world's own
-    finally:
-        if old is None:
-            del os.environ["GPUDIST_MPI_PERSISTENT"]
-        else:
-            os.environ["GPUDIST_MPI_PERSISTENT"] = old
-    made = t.reduce_program((3,), torch.float64, 0, t.group(range(w.size)))
-    t.finalize()
-    t.world_meta.Free()
-    return t.persistent, t.persistent_reduce, made is None
+    x = torch.full((4, 2), w.rank + 1, dtype=dtype) if w.rank < 5 else torch.zeros(0, 0,
+                                                                                   dtype=dtype)
+    y = S(x)
+    if w.rank != 5:
+        return y.numel() == 0
+    return torch.equal(y, torch.full((4, 2), 15, dtype=dtype))
 
 
-@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
-def test_reduce_programs_need_every_rank(cluster):
-    res = cluster.run(3, _persistence_agreed, backend="mpi")
-    assert [r[0] for r in res] == [True, False, True], res
-    assert all(r[1] is False and r[2] for r in res), res
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.complex64])
+def test_fan_sum_wide(cluster, backend, dtype):
+    assert all(cluster.run(6, _fan_sum_wide, dtype, backend=backend, timeout=60))
 
 
 def _complex_adjoints():

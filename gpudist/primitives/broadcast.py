@@ -13,17 +13,19 @@ own communicator; a rank may be the 'one' of a fan and a 'many' of another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..buffers import LRU, nbytes
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
-from ..transport.base import Group
+from ..transport.base import P2P, Group
 from .base import Plan, Primitive, opaque_spec, zero_volume
+
+_TAG = 7  # the tag of the tree sums' messages (halo exchanges use 1024 and up)
 
 
 @dataclass
@@ -78,10 +80,9 @@ class FanPlan:
         self.one_first = (self.mine_one is None or self.mine_many is None
                           or self.fans.index(self.mine_one) <= self.fans.index(self.mine_many))
         self.identity = all(f.many == (f.one,) for f in self.fans)
-        # reduce programs per (role, fan): one LRU each, so that every member of a fan
-        # sees the same calls and evicts (and makes again: MPI_Reduce_init is
-        # collective) the same programs; one LRU for both roles would not
-        self._programs: dict[tuple[str, int], LRU] = {}
+        # this worker's places in the trees of the host sums (:meth:`_tree_sum`)
+        self.tree_one = _Tree.of(self.mine_one, me) if self.mine_one is not None else None
+        self.tree_many = _Tree.of(self.mine_many, me) if self.mine_many is not None else None
 
     def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
@@ -97,58 +98,99 @@ class FanPlan:
         tr.wait(works)
         return x if many is not None and many.one == me else out
 
-    def reduce(self, x: torch.Tensor, out: torch.Tensor | None, scratch: torch.Tensor | None
-               ) -> torch.Tensor | None:
-        """'many' workers send ``x`` (through ``scratch`` where the backend may overwrite
-        its input); each 'one' worker returns its fan's sum in ``out``. Where the backend
-        prepares reduces (MPI: persistent requests), each side goes through its fan's
-        program buffer instead (made at first use, in the collectives' order)."""
+    def reduce(self, x: torch.Tensor, out: torch.Tensor | None,
+               buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``.
+        ``buffer(name, like)`` hands out a kept tensor shaped like ``like``.
+
+        Host tensors: a binomial tree of point-to-point messages over each fan, summed by
+        torch (:meth:`_tree_sum`); device tensors: the backend's reduce (NCCL's)."""
+        if not x.is_cuda:
+            return self._tree_sum(x, out, buffer)
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends = many is not None and many.one != me and many.group is not None
-        mine = None  # my fan's program, read back into ``out`` after the wait
         for part in (("recv", "send") if self.one_first else ("send", "recv")):
             if part == "send" and sends:
-                prog = self._program("send", many, x)
-                if prog is not None:
-                    prog.buffer.copy_(x)
-                    works.append(prog.start())
-                    continue
-                if scratch is not None:  # the backend may use its input as scratch
-                    scratch.copy_(x)
-                works.append(tr.reduce(x if scratch is None else scratch, many.one,
-                                       many.group))
+                if not tr.reduce_keeps_input:  # the backend may use its input as scratch
+                    x = buffer("scratch", x).copy_(x)
+                works.append(tr.reduce(x, many.one, many.group))
             elif part == "recv" and one is not None:
-                mine = self._program("recv", one, out) if one.group is not None else None
-                acc = out if mine is None else mine.buffer
                 if me in one.many:
-                    acc.copy_(x)
+                    out.copy_(x)
                 else:
-                    acc.zero_()
-                if mine is not None:
-                    works.append(mine.start())
-                elif one.group is not None:
+                    out.zero_()
+                if one.group is not None:
                     works.append(tr.reduce(out, me, one.group))
         tr.wait(works)
-        if mine is not None:
-            out.copy_(mine.buffer)
         return out
 
-    def program_nbytes(self) -> int:
-        """Bytes of the reduce programs' buffers this rank keeps."""
-        return nbytes(p.buffer for lru in self._programs.values() for p in lru.values()
-                      if p is not None)
-
-    def _program(self, role: str, fan: _Fan, x: torch.Tensor):
-        """The transport's reduce program for ``fan`` and sums shaped like ``x`` (None:
-        the backend has none, or ``x`` is not host memory)."""
-        if x.is_cuda:
+    def _tree_sum(self, x: torch.Tensor, out: torch.Tensor | None,
+                  buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """The fans' sums over binomial trees (:class:`_Tree`): in round ``r`` a worker
+        receives a child's partial sum and adds it to its own, or sends its partial sum to
+        its parent and is done. Measured against the backend's reduce of host memory, 2
+        ranks, one per core: 0.09 against 0.16 ms (MPI's persistent reduce) at 1 MiB,
+        17.5 against 39 ms at 128 MiB; gloo 5.2 against 11.5 ms at 16 MiB. A rank that is
+        the root of one fan and a member of another runs both trees' rounds together."""
+        tr, me = self.world.transport, self.world.rank
+        roles = []  # [tree, its partial sum so far (None: none yet), first, more]
+        if self.mine_one is not None:
+            t = self.tree_one
+            roles.append([t, None, out, buffer("root", out) if len(t.children) > 1 else None])
+        if self.mine_many is not None and self.mine_many.one != me:
+            t, n = self.tree_many, len(self.tree_many.children)
+            roles.append([t, None, buffer("partial", x) if n else None,
+                          buffer("partial-more", x) if n > 1 else None])
+        for r in range(max((role[0].rounds for role in roles), default=0)):
+            ops, adds = [], []
+            for role in roles:
+                tree, acc, first, more = role
+                if tree.parent is not None and tree.parent[0] == r:
+                    ops.append(P2P("send", x if acc is None else acc, tree.parent[1], _TAG))
+                for when, child in tree.children:
+                    if when == r:  # a child's partial sum: into my first buffer, or the next
+                        ops.append(P2P("recv", first if acc is None else more, child, _TAG))
+                        adds.append(role)
+            tr.wait(tr.batch_p2p(ops))
+            for role in adds:
+                tree, acc, first, more = role
+                if acc is None:  # my first child's sum, which landed in my partial sum
+                    role[1] = first.add_(x) if tree.has_x else first
+                else:
+                    acc.add_(more)
+        if self.mine_one is None:
             return None
-        lru = self._programs.get((role, fan.one))
-        if lru is None:
-            lru = self._programs[(role, fan.one)] = LRU(self.world.cache_size)
-        return lru.get_or_make((tuple(x.shape), x.dtype), lambda: (
-            self.world.transport.reduce_program(x.shape, x.dtype, fan.one, fan.group)))
+        if roles[0][1] is None:  # a fan of one worker
+            return out.copy_(x) if self.tree_one.has_x else out.zero_()
+        return out
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """This worker's place in a binomial tree over a fan: its members listed root ('one')
+    first, member ``i`` receives in round ``r`` from ``i + 2^r`` while ``i`` is a multiple
+    of ``2^(r+1)``, and sends its partial sum to ``i - 2^r`` in the round where it is not."""
+
+    children: tuple[tuple[int, int], ...]  # (round, world rank), in round order
+    parent: tuple[int, int] | None         # (round, world rank)
+    rounds: int                            # the rounds this worker takes part in
+    has_x: bool                            # whether its own block is a summand
+
+    @staticmethod
+    def of(fan: _Fan, me: int) -> _Tree:
+        members = [fan.one] + [m for m in fan.many if m != fan.one]
+        i, k = members.index(me), len(members)
+        children, parent, r = [], None, 0
+        while (1 << r) < k and parent is None:
+            d = 1 << r
+            if i % (2 * d) == d:
+                parent = (r, members[i - d])
+            elif i + d < k:
+                children.append((r, members[i + d]))
+            r += 1
+        return _Tree(tuple(children), parent, r, me != fan.one or me in fan.many)
+
 
 def _transposed(spec: TensorSpec) -> TensorSpec:
     return TensorSpec(spec.partition.transpose(), spec.global_shape, spec.dtype,
@@ -168,9 +210,6 @@ class _FanPrimitive(Primitive):
     def make_plan(self, spec, out):
         return None, self.fans.identity
 
-    def kept_nbytes(self) -> int:
-        return super().kept_nbytes() + self.fans.program_nbytes()
-
     def spread(self, x: torch.Tensor, many: TensorSpec, name: str) -> torch.Tensor:
         """Each 'one' worker's block to its 'many' workers (who receive into a pooled
         buffer shaped by ``many``)."""
@@ -184,14 +223,12 @@ class _FanPrimitive(Primitive):
     def sum_in(self, x: torch.Tensor, one: TensorSpec, many: TensorSpec, name: str
                ) -> torch.Tensor:
         """The sum of each fan's 'many' blocks on its 'one' worker (``one`` shapes it)."""
-        f = self.fans
-        out = scratch = None
-        if f.mine_one is not None:
+        out = None
+        if self.fans.mine_one is not None:
             out = self.buffers.get(name, one.local_shape, x.dtype, x.device)
-        if f.mine_many is not None and f.mine_many.one != self.world.rank \
-                and not self.world.transport.reduce_keeps_input:
-            scratch = self.buffers.get(name + "-scratch", many.local_shape, x.dtype, x.device)
-        y = f.reduce(x.contiguous(), out, scratch)
+        x = x.contiguous()
+        y = self.fans.reduce(x, out, lambda what, like: self.buffers.get(
+            f"{name}-{what}", like.shape, like.dtype, like.device))
         return y if y is not None else zero_volume(one.ndim, like=x)
 
 

@@ -109,17 +109,6 @@ class P2PProgram:
         return self.transport.batch_p2p(self.ops)
 
 
-class ReduceProgram:
-    """A reduce prepared once (see :meth:`Transport.reduce_program`): write this member's
-    summand into ``buffer``, :meth:`start`, wait; then ``dst``'s ``buffer`` holds the sum
-    (the others' are left as they were)."""
-
-    buffer: torch.Tensor
-
-    def start(self) -> Work:
-        raise NotImplementedError
-
-
 _CPU = torch.device("cpu")
 
 
@@ -234,14 +223,6 @@ class Transport(ABC):
     def p2p_program(self, ops: Sequence[P2P]) -> P2PProgram:
         """``ops`` prepared to be started many times (their tensors stay the same)."""
         return P2PProgram(self, ops)
-
-    def reduce_program(self, shape: Sequence[int], dtype: torch.dtype, dst: int,
-                       group: Group) -> ReduceProgram | None:
-        """A sum into world rank ``dst`` over ``group`` on a host buffer the program owns,
-        made once and started many times (a persistent collective), or None where the
-        backend has none. Collective over the group: every member makes it, in the same
-        order as its other collectives."""
-        return None
 
     # -- collectives over a group (all start asynchronously) ----------------
     @abstractmethod

@@ -5,7 +5,7 @@ it is CUDA-aware (through ``__cuda_array_interface__``; :func:`cuda_aware`, env
 ``GPUDIST_MPI_CUDA_AWARE`` overrides) and through reused host buffers otherwise. Sums of
 float16/bfloat16 (no MPI datatype) run in float32 buffers. Every request is polled by the
 world's wait loop, so a missing peer raises instead of hanging. Batches started again and
-again on the same host buffers (a halo step, a fan's reduce) are persistent requests, made
+again on the same host buffers (a halo step) are persistent requests, made
 once and freed before ``MPI_Finalize`` (env ``GPUDIST_MPI_PERSISTENT=0``: none).
 """
 
@@ -18,14 +18,13 @@ from functools import partial
 
 import torch
 
-from ..control import Label, label_text
+from ..control import Label
 from ..envvars import setting
-from ..errors import DeviceError, WorldAborted
+from ..errors import DeviceError
 from .base import (
     P2P,
     Group,
     P2PProgram,
-    ReduceProgram,
     Staging,
     Transport,
     Work,
@@ -78,7 +77,7 @@ class MPITransport(Transport):
         if stage_all is None:
             stage_all = setting("GPUDIST_FORCE_STAGING", False)
         self.stage_all = stage_all
-        # persistent requests for halo steps and reduces (env GPUDIST_MPI_PERSISTENT=0: none)
+        # persistent requests for halo steps (env GPUDIST_MPI_PERSISTENT=0: none)
         self.persistent = setting("GPUDIST_MPI_PERSISTENT", True)
         # MPICH moves messages only inside MPI calls unless asked for a progress thread
         self.progresses_alone = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in (
@@ -92,11 +91,6 @@ class MPITransport(Transport):
         everyone = tuple(range(self.size))
         self.world_meta = self.comm.Dup()
         self._groups[everyone] = Group(everyone, self.comm, self.world_meta)
-        # reduce programs are collective: made on every rank or on none, whatever one
-        # rank's environment says (agreed here, while every rank is here anyway)
-        self.persistent_reduce = bool(self.comm.allreduce(
-            int(self.persistent and not self.stage_all and MPI.Get_version() >= (4, 0)),
-            op=MPI.MIN))
         self._types = {
             torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT, torch.int64: MPI.INT64_T,
             torch.int32: MPI.INT32_T, torch.int16: MPI.INT16_T, torch.int8: MPI.INT8_T,
@@ -223,21 +217,6 @@ class MPITransport(Transport):
             return p
         return P2PProgram(self, ops)
 
-    def reduce_program(self, shape, dtype, dst, group) -> ReduceProgram | None:
-        """``MPI_Reduce_init`` on a buffer of its own, the size of the sum (MPI-4; None
-        before it, for a dtype MPI cannot sum, or where any rank turned persistent
-        requests off or forces staging). Measured, 4 ranks here: 2.6x faster
-        than ``MPI_Ireduce`` and ``MPI_Reduce`` at 1 and 8 MiB, 1.8x at 64 MiB."""
-        if not self.persistent_reduce or dtype not in self._types \
-                or not hasattr(group.handle, "Reduce_init"):
-            return None
-        try:
-            p = _PersistentReduce(self, tuple(shape), dtype, dst, group)
-        except NotImplementedError:  # mpi4py's stub where the library lacks it
-            return None
-        self._programs.add(p)
-        return p
-
     def broadcast(self, tensor, src, group):
         what = group.doing(f"broadcast from {src}")
         key = ("bcast", group.ranks, src)
@@ -322,10 +301,10 @@ class _Requests:
     all (None while an earlier start never completed: its wait failed); ``free()`` frees
     them (not while live, not once MPI is finalized; also when garbage-collected)."""
 
-    def __init__(self, MPI, reqs: list, what: Label, keep: object = None) -> None:
-        self.reqs, self._what, self._keep = reqs, what, keep
+    def __init__(self, MPI, reqs: list, what: Label) -> None:
+        self.reqs, self._what = reqs, what
         self._active = [False]  # shared with the finalizer
-        if len(reqs) == 1:  # one request (a reduce): its own Start/Test (Testall errs
+        if len(reqs) == 1:  # one request: its own Start/Test (Testall errs
             self._startall, self._done = reqs[0].Start, reqs[0].Test  # on it, MPICH 5)
         else:
             self._startall = partial(MPI.Prequest.Startall, reqs)
@@ -340,7 +319,7 @@ class _Requests:
             return None
         self._startall()
         self._active[0] = True
-        return Work(self._what, self._done, self._finish, spin=True, keep=self._keep)
+        return Work(self._what, self._done, self._finish, spin=True)
 
 
 class _Persistent(P2PProgram):
@@ -369,28 +348,3 @@ def _free(MPI, reqs, active: list[bool]) -> None:
     for r in reqs:
         if r != MPI.REQUEST_NULL:
             r.Free()
-
-
-class _PersistentReduce(ReduceProgram):
-    """``MPI_Reduce_init`` (in place at the root) on the program's buffer. A start while
-    the previous one never completed (its wait failed: the world was aborted) raises."""
-
-    def __init__(self, transport: MPITransport, shape: tuple[int, ...], dtype: torch.dtype,
-                 dst: int, group: Group) -> None:
-        MPI = transport.MPI
-        self.buffer = torch.zeros(shape, dtype=dtype)
-        spec, root = transport._spec(self.buffer, True), group.index(dst)
-        op = transport._sum(self.buffer)
-        if transport.rank == dst:
-            req = group.handle.Reduce_init(MPI.IN_PLACE, spec, op=op, root=root)
-        else:
-            req = group.handle.Reduce_init(spec, None, op=op, root=root)
-        self.requests = _Requests(MPI, [req], group.doing(f"reduce to {dst}"), self.buffer)
-        self.free = self.requests.free
-
-    def start(self) -> Work:
-        w = self.requests.start()
-        if w is None:
-            raise WorldAborted(f"{label_text(self.requests._what)}: started again while "
-                               f"its last start never completed (a wait that failed)")
-        return w
