@@ -18,6 +18,7 @@ from ..errors import ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
+from . import ring
 from .base import Plan, Primitive
 
 
@@ -70,13 +71,13 @@ class _Along(Primitive):
 
     def scatter(self, x: torch.Tensor, lay: dict, name: str) -> torch.Tensor:
         """Sum ``x`` (whole along ``dim``) over the fiber and keep this worker's block."""
-        tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
+        d, n = self.dim, len(lay["sizes"])
         sizes, me = lay["sizes"], lay["me"]
         blk = list(x.shape)
         blk[d] = sizes[me]
         if lay["direct"]:
             out = self.buffers.get(name, blk, x.dtype, x.device)
-            tr.wait([tr.reduce_scatter(out, x.contiguous(), self.sub.group)])
+            self._reduce_scatter(out, x.contiguous(), name)
             return out
         m = max(sizes)
         pad = list(x.shape)
@@ -89,10 +90,18 @@ class _Along(Primitive):
             if sizes[i] < m:
                 stage[j].narrow(d, sizes[i], m - sizes[i]).zero_()
         mine = self.buffers.get(name + "-mine", pad, x.dtype, x.device)
-        tr.wait([tr.reduce_scatter(mine, stage, self.sub.group)])
+        self._reduce_scatter(mine, stage, name)
         out = self.buffers.get(name, blk, x.dtype, x.device)
         out.copy_(mine.narrow(d, 0, sizes[me]))
         return out
+
+    def _reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, name: str) -> None:
+        """The backend's reduce-scatter, or the ring's for large host tensors
+        (:mod:`gpudist.primitives.ring`)."""
+        g = self.sub.group
+        spare = (self.buffers.get(name + "-spare", out.shape, out.dtype, out.device)
+                 if ring.needs_spare(x, g) else None)
+        ring.reduce_scatter(self.world.transport, out, x, g, spare)
 
 
 class AllGather(_Along):

