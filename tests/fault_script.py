@@ -6,7 +6,10 @@ Cases: ``raise`` (rank 1 raises an uncaught exception between two layers), ``exi
 norm's backward), ``quit`` (rank 1 returns without ``gpudist.finalize()``
 while its peers go on), ``mismatch`` (rank 1 runs another collective than its peers'),
 ``ckpt`` (every rank saves its per-rank checkpoint, rank 1's file
-is truncated, every rank loads its own: rank 1 fails in ``torch.load``, outside gpudist).
+is truncated, every rank loads its own: rank 1 fails in ``torch.load``, outside gpudist),
+``caught`` (4 ranks; rank 3 repeats a SumReduce call with a stale spec its peers changed:
+it sends its block up the sum's tree, to rank 1, and goes on, its peers find the mismatch;
+every rank catches its error and exits normally, leaving that message unreceived).
 Every rank prints one line ``RESULT <rank> <status>`` (the others
 are expected to fail with a gpudist error naming rank 1).
 """
@@ -34,7 +37,8 @@ _DEAD: list = []
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("case", choices=["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch"])
+    p.add_argument("case", choices=["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch",
+                                    "caught"])
     p.add_argument("--dir", default=".")
     p.add_argument("--backend", default="gloo")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -60,6 +64,8 @@ def main() -> int:
             g(xg)
             s(xs)
         s(xs) if w.rank == 1 else g(xg)
+    if a.case == "caught":
+        return _caught(w)
     P = Partition.grid((1, 1, w.size))
     conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
     x = DistTensor.from_local(torch.randn(2, 2, 4), P, (2, 2, 4 * w.size))
@@ -96,6 +102,22 @@ def main() -> int:
     y.local.sum().backward()
     print(f"RESULT {w.rank} done", flush=True)
     gpudist.finalize()
+    return 0
+
+
+def _caught(w) -> int:
+    from gpudist.primitives import SumReduce
+
+    P = Partition.grid((w.size, 1))
+    S = SumReduce(P, Partition([2], (1, 1)))  # the tree: 0 -> 2, 3 -> 1, 1 -> 2
+    try:
+        for rows in (4, 3, 3 if w.rank == 3 else 4):  # both shapes planned everywhere
+            S(DistTensor(torch.ones(rows, 5), TensorSpec(P, (rows, 5), torch.float32,
+                                                         "cpu", (PARTIAL, 1))))
+        gpudist.finalize()
+        print(f"RESULT {w.rank} missed", flush=True)
+    except gpudist.GpudistError as e:
+        print(f"RESULT {w.rank} caught {type(e).__name__}", flush=True)
     return 0
 
 

@@ -90,6 +90,10 @@ class MPITransport(Transport):
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
         self.world_meta = self.comm.Dup()
+        # point-to-point messages (halo steps, the sums' trees and rings) on a duplicate of
+        # the world: one an aborted world left unreceived would otherwise fail MPI_Finalize
+        # ("Communicator being freed has 1 unmatched message(s)": an MPI_Abort at exit)
+        self.p2p_comm = self.comm.Dup()
         self._groups[everyone] = Group(everyone, self.comm, self.world_meta)
         self._types = {
             torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT, torch.int64: MPI.INT64_T,
@@ -192,9 +196,9 @@ class MPITransport(Transport):
                 buf, staged = self._dst(("p2p", o.op, o.peer, o.tag), t)
             keep.append(staged)
             if o.op == "send":
-                reqs.append(self.comm.Isend(buf, dest=o.peer, tag=o.tag))
+                reqs.append(self.p2p_comm.Isend(buf, dest=o.peer, tag=o.tag))
             else:
-                reqs.append(self.comm.Irecv(buf, source=o.peer, tag=o.tag))
+                reqs.append(self.p2p_comm.Irecv(buf, source=o.peer, tag=o.tag))
                 if staged is not t:
                     back.append((staged, t))
 
@@ -329,7 +333,7 @@ class _Persistent(P2PProgram):
 
     def __init__(self, transport: MPITransport, ops: Sequence[P2P]) -> None:
         super().__init__(transport, ops)
-        comm, spec = transport.comm, transport._spec
+        comm, spec = transport.p2p_comm, transport._spec
         self.requests = _Requests(transport.MPI, [
             comm.Send_init(spec(o.tensor, False), dest=o.peer, tag=o.tag) if o.op == "send"
             else comm.Recv_init(spec(o.tensor, False), source=o.peer, tag=o.tag)
