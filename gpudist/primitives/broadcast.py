@@ -220,8 +220,7 @@ class _FanPrimitive(Primitive):
         y = f.broadcast(x.contiguous(), out)
         return y if y is not None else zero_volume(many.ndim, like=x)
 
-    def sum_in(self, x: torch.Tensor, one: TensorSpec, many: TensorSpec, name: str
-               ) -> torch.Tensor:
+    def sum_in(self, x: torch.Tensor, one: TensorSpec, name: str) -> torch.Tensor:
         """The sum of each fan's 'many' blocks on its 'one' worker (``one`` shapes it)."""
         out = None
         if self.fans.mine_one is not None:
@@ -266,7 +265,7 @@ class Broadcast(_FanPrimitive):
         return self.spread(x, plan.out, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self.sum_in(dy, plan.spec, plan.out, "adjoint")
+        return self.sum_in(dy, plan.spec, "adjoint")
 
 
 class SumReduce(_FanPrimitive):
@@ -312,7 +311,7 @@ class SumReduce(_FanPrimitive):
         return _transposed(view) if self.transpose_dst else view
 
     def forward(self, x, plan: Plan):
-        return self.sum_in(x, plan.out, plan.spec, "out")
+        return self.sum_in(x, plan.out, "out")
 
     def adjoint(self, dy, plan: Plan):
         return self.spread(dy, plan.spec, "adjoint")

@@ -17,6 +17,8 @@ backends' latency-bound algorithms faster, hence :data:`RING_MIN_BYTES`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..transport.base import P2P, Group, Transport
@@ -59,9 +61,10 @@ class _Ring:
         tr.wait(tr.batch_p2p([P2P("recv", recv, self.prev, _TAG),
                               P2P("send", send, self.next, _TAG)]))
 
-    def reduce_scatter(self, x: torch.Tensor, into) -> torch.Tensor:
-        """The ring's reduce-scatter of flat ``x``; ``into(s, j)`` is the flat tensor step
-        ``s`` receives chunk ``j``'s partial sum in. Returns the last one (chunk ``i``)."""
+    def reduce_scatter(self, x: torch.Tensor,
+                       into: Callable[[int, int], torch.Tensor]) -> None:
+        """The ring's reduce-scatter of flat ``x``: ``into(s, j)`` is the flat tensor step
+        ``s`` receives chunk ``j``'s partial sum in (the last step's: chunk ``i``, whole)."""
         send = x[self.at(self.i - 1)]  # step 0: my own part of chunk i - 1
         for s in range(self.k - 1):
             j = self.i - s - 2
@@ -69,7 +72,6 @@ class _Ring:
             self.shift(send, recv)
             recv.add_(x[self.at(j)])
             send = recv
-        return send
 
 
 def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group) -> None:
