@@ -275,7 +275,7 @@ def init(
                            launch.local_rank, None, None)
         control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
     else:
-        from .transport.torch_dist import TorchDistTransport
+        from .transport.torch_dist import TorchDistTransport, backend_timeout
 
         td = datetime.timedelta(seconds=timeout)
         if dist.is_initialized():  # the program joined already: reuse its store
@@ -285,9 +285,8 @@ def init(
         elif store is None:
             store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend, store=store, rank=launch.rank, world_size=launch.size, timeout=td
-            )
+            dist.init_process_group(backend, store=store, rank=launch.rank,
+                                    world_size=launch.size, timeout=backend_timeout(timeout))
         transport = TorchDistTransport(timeout=timeout)
         control_store = (dist.PrefixStore("gpudist", store)
                          if launch.size > 1 and store is not None else None)

@@ -390,6 +390,30 @@ def test_missing_peer_times_out(cluster, backend):
     assert errs[1] is None
 
 
+def _backend_timeouts():
+    import torch.distributed as dist
+
+    w = gpudist.world()
+    group = w.transport.group([0, 1])
+    cpu = torch.device("cpu")
+    sub = group.handle._get_backend(cpu).options._timeout if group.handle else None
+    return (w.control.timeout,
+            dist.distributed_c10d._get_default_group()._get_backend(cpu).options._timeout,
+            sub)
+
+
+def test_gloo_times_out_after_the_world(cluster):
+    """gloo's own timeout comes after the world's, so that a silent peer ends in the
+    control plane's CommTimeout naming it, not in gloo's "Timed out waiting ... for recv
+    operation", which names no rank (with the two equal, gloo's won 3 runs of 16 of a
+    peer's silent-peer test)."""
+    res = cluster.run(3, _backend_timeouts)
+    assert [sub is None for _, _, sub in res] == [False, False, True], res
+    for world_s, default, sub in res:
+        assert default.total_seconds() >= world_s + 2, (world_s, default)
+        assert sub in (None, default), (sub, default)
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "env", "mpiexec"])
 def test_join_again_after_finalize(launcher, tmp_path):
     """init -> collective -> finalize, three times in one job: each world works."""
