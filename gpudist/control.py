@@ -425,11 +425,15 @@ class Control:
     def _check_passed(self, r: int, st: dict, what: str) -> None:
         """A peer waiting at an operator number this rank has passed, where this rank ran
         another operator (e.g. a rank checking a changed input with its peers while they
-        went on into the data exchange, which completed without it)."""
+        went on into the data exchange, which completed without it). Passed includes the
+        last operator this rank ran on that group (its count equals the peer's number): a
+        data exchange that completed at once here (no neighbours) is often that one; not
+        the operator this rank waits in."""
         g, seq = tuple(st["group"]), st["seq"]
         past = self._past.get(g)
-        mine = past[seq % HISTORY] if past is not None and self._seq.get(g, 0) > seq else None
-        if mine is not None and mine.seq == seq and mine.fingerprint != st["fp"]:
+        mine = past[seq % HISTORY] if past is not None and self._seq.get(g, 0) >= seq else None
+        if mine is not None and mine is not self._op and mine.seq == seq \
+                and mine.fingerprint != st["fp"]:  # (the current one: _diagnose's check)
             self._mismatch(what, f"rank {r} waits in {st['what']} (operator #{seq} of group "
                                  f"{list(g)}), where rank {self.rank} ran {mine.what}")
 
