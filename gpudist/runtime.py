@@ -463,13 +463,27 @@ def _flush_open_files() -> None:
             pass
 
 
+GLOO_SETTLE_S = 0.05
+
+
 def _at_exit() -> None:
     """A rank leaving without :func:`finalize` ends the world: its peers would otherwise
-    wait for it until the timeout."""
+    wait for it until the timeout. Then, where process groups are still alive (no
+    finalize, or one after an abort, which keeps them), a short nap: a gloo worker thread
+    that has just finished a collective drops its reference to the work a moment later;
+    if that is the last one and the interpreter's exit has begun, destroying the work's
+    tensors needs the GIL, which ends the thread inside a C++ destructor ("terminate
+    called without an active exception", SIGABRT; 1 run in 5-60 of a torchrun program
+    that caught an aborted world's errors and exited normally, seen with gdb). While the
+    exit handlers run, the GIL can still be taken."""
     w = _WORLD
     if w is not None and w.control.aborted is None:
         w.control.abort(RuntimeError(f"rank {w.rank} exited without gpudist.finalize()"),
                         "interpreter exit")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(GLOO_SETTLE_S)
 
 
 def _install_excepthook() -> None:

@@ -19,6 +19,7 @@ buffers it keeps per shape (:class:`Staging`), allocated once and reused.
 
 from __future__ import annotations
 
+import ctypes
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,16 @@ class Work:
         if self._finish is not None:
             f, self._finish = self._finish, None
             f()
+
+
+def left_in_flight(works: Sequence[Work]) -> None:
+    """Keep works a failed wait leaves in flight, and what they hold, alive for the rest of
+    the process (a deliberate leak: the world is over). Their backend may still complete
+    them: MPI writing into a receive buffer it was handed by address (freed and reused by
+    then, in a process that goes on), a gloo worker thread destroying a collective it
+    finished with the last reference to the tensors (see ``runtime._at_exit``)."""
+    for w in works:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(w))
 
 
 def completed(what: str = "no-op") -> Work:
@@ -289,13 +300,17 @@ class Transport(ABC):
         def label() -> str:
             return what or ", ".join(dict.fromkeys(label_text(w.what) for w in works))
 
-        if self.control is None:  # before gpudist.init finished: a plain bounded wait
-            from ..control import Control
+        try:
+            if self.control is None:  # before gpudist.init finished: a plain bounded wait
+                from ..control import Control
 
-            Control(None, self.rank, self.size, self.timeout).wait(done, label, block=block,
-                                                                   spin=spin)
-        else:
-            self.control.wait(done, label, block=block, spin=spin)
+                Control(None, self.rank, self.size, self.timeout).wait(
+                    done, label, block=block, spin=spin)
+            else:
+                self.control.wait(done, label, block=block, spin=spin)
+        except BaseException:
+            left_in_flight(works)
+            raise
         for w in works:
             w.finish()
 
