@@ -44,6 +44,7 @@ from .errors import (
 ABORT_FIRST_CHECK_S = 0.005
 ABORT_EVERY_S = 0.02
 SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
+HOT_SPIN_S = 5e-5  # ... the first this long without yielding, where ranks fit the cores
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
 TASK_DONE_OPS = 8  # a pool rank's last operators per group published when its task ends
@@ -144,6 +145,8 @@ class Control:
         self.task: int | None = None
         self.spin_s = setting("GPUDIST_SPIN_S", SPIN_S)
         self.nap_max_s = setting("GPUDIST_NAP_MAX_S", NAP_MAX_S)
+        # set by gpudist.init where this host's ranks fit its cores (no peer to yield to)
+        self.hot_spin_s = 0.0
 
     # -- which peers still run ----------------------------------------------------------
     def register_process(self) -> None:
@@ -282,10 +285,10 @@ class Control:
 
         ``block(s)`` blocks up to ``s`` seconds for progress (e.g. an Event); without it the
         loop sleeps with backoff, or, when ``spin`` (MPI needs its progress engine driven
-        by ``done()``), polls yielding the core for ``spin_s`` (env ``GPUDIST_SPIN_S``) and
-        then naps up to ``nap_max_s`` (``GPUDIST_NAP_MAX_S``) between polls. ``what`` (a
-        string, or a function making it: only a slow wait needs the text) names the wait in
-        errors.
+        by ``done()``), polls yielding the core for ``spin_s`` (env ``GPUDIST_SPIN_S``; the
+        first ``hot_spin_s`` without yielding, where each rank has a core) and then naps up
+        to ``nap_max_s`` (``GPUDIST_NAP_MAX_S``) between polls. ``what`` (a string, or a
+        function making it: only a slow wait needs the text) names the wait in errors.
         """
         if self.aborted is not None:
             self.ensure_alive()
@@ -299,12 +302,14 @@ class Control:
         # a spinning wait (MPI: data moves only while polled) polls for spin_s, then naps
         # up to nap_max_s; the others nap from the start, up to 1 ms
         spin_until, nap_max = (t0 + self.spin_s, self.nap_max_s) if spin else (t0, 1e-3)
+        hot_until = t0 + self.hot_spin_s
         try:
             while True:
                 if block is not None:
                     block(0.01)
                 elif now < spin_until:  # drive the progress engine, yielding the core
-                    os.sched_yield()
+                    if now >= hot_until:  # (a sched_yield costs a small message ~1 us)
+                        os.sched_yield()
                 else:  # a long wait: nap, so that a peer sharing this core can run
                     time.sleep(nap)
                     nap = min(nap_max, nap * 2 + 1e-5)

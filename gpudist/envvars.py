@@ -72,6 +72,7 @@ SETTINGS = {
     "GPUDIST_DIAG_AFTER": partial(number, infinite=True),
     "GPUDIST_SPIN_S": partial(number, infinite=True),
     "GPUDIST_NAP_MAX_S": partial(number, maximum=1.0),
+    "GPUDIST_HOT_SPIN_S": partial(number, maximum=1.0),
     "GPUDIST_PLAN_CACHE": partial(number, minimum=1, integer=True),
     "GPUDIST_EXIT_TEARDOWN_S": partial(number, minimum=1, maximum=86400, integer=True),
     "GPUDIST_CHECK_CALLS": flag,

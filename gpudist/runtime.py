@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .control import Control
+from .control import HOT_SPIN_S, Control
 from .envvars import check_all, setting
 from .errors import GpudistError, LaunchError
 from .transport.base import Transport
@@ -296,7 +296,7 @@ def init(
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
     _WORLD.check_calls, _WORLD.ranks_here = _start_exchange(_WORLD, check_calls)
-    _choose_gloo_wait(_WORLD)
+    _choose_waits(_WORLD)
     if launch.size > 1:
         _install_excepthook()
         atexit.register(_at_exit)
@@ -326,16 +326,24 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _choose_gloo_wait(w: World) -> None:
-    """How this rank waits for a gloo collective (``GPUDIST_GLOO_WAIT``): ``block`` in
-    torch's timed wait (wakes the moment gloo is done: fastest where each rank has a core
-    of its own), ``nap`` between polls (leaves the core to a rank that shares it: faster
-    when ranks outnumber cores), ``auto`` (default): block where this host's ranks fit its
-    cores (bench/RESULTS.md, 2026-11-27 morning)."""
+def _choose_waits(w: World) -> None:
+    """How this rank waits, by whether this host's ranks fit its cores.
+
+    A gloo collective (``GPUDIST_GLOO_WAIT``): ``block`` in torch's timed wait (wakes the
+    moment gloo is done: fastest where each rank has a core of its own), ``nap`` between
+    polls (leaves the core to a rank that shares it: faster when ranks outnumber cores),
+    ``auto`` (default): block where the ranks fit (bench/RESULTS.md, 2026-11-27 morning).
+
+    A spinning wait (MPI) polls its first ``GPUDIST_HOT_SPIN_S`` (50 us) without yielding
+    the core where the ranks fit (no peer of this host needs it; a small broadcast or
+    all-reduce ends 0.6-2.5 us sooner), yielding from the start where they do not."""
+    fits = w.ranks_here <= _cores()
     mode = setting("GPUDIST_GLOO_WAIT", "auto")
-    block = mode == "block" or (mode == "auto" and w.ranks_here <= _cores())
+    block = mode == "block" or (mode == "auto" and fits)
     if hasattr(w.transport, "block_collectives"):
         w.transport.block_collectives = block
+    if w.control is not None:
+        w.control.hot_spin_s = setting("GPUDIST_HOT_SPIN_S", HOT_SPIN_S) if fits else 0.0
 
 
 def _abort_mpi_job(err: Exception) -> None:

@@ -314,12 +314,50 @@ def test_gloo_wait_choice(monkeypatch, mode, here, cores, want):
     else:
         monkeypatch.setenv("GPUDIST_GLOO_WAIT", mode)
     monkeypatch.setattr(runtime, "_cores", lambda: cores)
-    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(block_collectives=None))
-    runtime._choose_gloo_wait(w)
+    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(block_collectives=None),
+                        control=None)
+    runtime._choose_waits(w)
     assert w.transport.block_collectives is want
-    other = SimpleNamespace(ranks_here=here, transport=SimpleNamespace())
-    runtime._choose_gloo_wait(other)
+    other = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(), control=None)
+    runtime._choose_waits(other)
     assert not hasattr(other.transport, "block_collectives")
+
+
+@pytest.mark.parametrize("env,here,cores,want", [
+    (None, 2, 2, 5e-5), (None, 3, 2, 0.0), ("0.001", 4, 16, 0.001), ("0.001", 3, 2, 0.0),
+    ("0", 1, 16, 0.0)])
+def test_hot_spin_choice(monkeypatch, env, here, cores, want):
+    """A spinning wait polls without yielding first (GPUDIST_HOT_SPIN_S, 50 us) only
+    where this host's ranks fit its cores."""
+    from types import SimpleNamespace
+
+    from gpudist import runtime
+    from gpudist.control import Control
+
+    if env is None:
+        monkeypatch.delenv("GPUDIST_HOT_SPIN_S", raising=False)
+    else:
+        monkeypatch.setenv("GPUDIST_HOT_SPIN_S", env)
+    monkeypatch.setattr(runtime, "_cores", lambda: cores)
+    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(),
+                        control=Control(None, 0, 1, 10.0))
+    runtime._choose_waits(w)
+    assert w.control.hot_spin_s == want
+
+
+@pytest.mark.parametrize("hot", [0.0, 60.0])
+def test_spinning_wait_yields_after_its_hot_spin(monkeypatch, hot):
+    """Within ``hot_spin_s`` a spinning wait polls without yielding the core; after it
+    (and with none) it yields between polls."""
+    from gpudist import control as control_mod
+
+    yields = []
+    monkeypatch.setattr(control_mod.os, "sched_yield", lambda: yields.append(1))
+    c = control_mod.Control(None, 0, 1, 10.0)
+    c.hot_spin_s = hot
+    polls = iter(range(50))
+    c.wait(lambda: next(polls) >= 40, "a test wait", spin=True)
+    assert len(yields) == (0 if hot else 40)
 
 
 def _finalize_late_peer():
