@@ -308,12 +308,13 @@ def test_kl_batchmean_and_mpi(cluster):
         assert all(v < TOL for v in errs.values()), errs
 
 
-def _class_split_is_an_error():
-    gnn.DistributedLoss(Partition.grid((1, 2)), "cross_entropy")
+def _class_split_none_is_an_error():
+    gnn.DistributedLoss(Partition.grid((1, 2)), "cross_entropy", "none")
 
 
-def test_classes_split_is_an_error(cluster):
-    errs = cluster.run(2, _class_split_is_an_error, expect_error=True)
+def test_classes_split_without_reduction_is_an_error(cluster):
+    """The class dim may be split (tests/test_loss_classes.py), but not with 'none'."""
+    errs = cluster.run(2, _class_split_none_is_an_error, expect_error=True)
     assert all(e is not None and "class dimension" in e.message for e in errs), errs
 
 

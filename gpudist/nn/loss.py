@@ -1,5 +1,8 @@
 """Distributed losses: the local loss summed over the partition into the root worker.
 
+Cross-entropy and NLL may have their class dimension (dim 1) split too: each worker then
+holds the logits of its classes (a vocabulary-parallel loss, :mod:`.loss_classes`).
+
 F(x) = sum over workers of loss(x_local, target_local), divided for ``"mean"`` by the
 global count (elements; for cross-entropy/NLL the summed weights of the non-ignored
 targets; for KL's ``"batchmean"`` the global batch size). One SumReduce carries the sum and
@@ -25,6 +28,7 @@ from ..primitives.base import entry
 from ..spec import PARTIAL, DistTensor, TensorSpec
 from ._layer import DistributedModule
 from ._params import connect
+from .loss_classes import ClassSplit
 
 # name -> (torch function, class-dim loss (target without the class dim), its options)
 LOSSES: dict[str, tuple[Callable, bool]] = {
@@ -44,6 +48,7 @@ class _LossPlan:
     total: Plan
     count: int   # global elements (or targets) for "mean"
     batch: int   # global batch size for "batchmean"
+    spec: TensorSpec | None = None  # the input's (a class-split loss's plans are per spec)
 
 
 class DistributedLoss(DistributedModule):
@@ -80,14 +85,18 @@ class DistributedLoss(DistributedModule):
                 f"not supported: the class dimension is dim 1 of an (N, C, ...) input; "
                 f"add a batch dimension (x.unsqueeze(0), target.unsqueeze(0)) and use a "
                 f"partition of 2 or more dimensions"))
-        if self.classwise and P_x.shape[1] != 1:
+        split = self.classwise and P_x.shape[1] != 1
+        if split and reduction == "none":
             raise raised_everywhere(PartitionError(
-                f"{loss}: the class dimension (dim 1) must not be partitioned, P_x "
-                f"{P_x.shape}"))
+                f"{loss}: reduction='none' with the class dimension (dim 1) split (P_x "
+                f"{P_x.shape}) is not supported; use 'mean' or 'sum', or a partition with "
+                f"extent 1 along dim 1"))
         self.P_x, self.reduction, self.options = P_x, reduction, options
         self.root = Partition([P_x.ranks[0]], (1,) * P_x.dim, P_x.world)
         self.setup(P_x, P_x.ranks)
         self.total = SumReduce(P_x, self.root)
+        # the class dim split: its sums across the class axis (None: not split)
+        self.split = ClassSplit(P_x, self.fn, options) if split else None
         # what the check across ranks says of wrong targets ({ranks} filled in there;
         # each rank adds what is wrong with its own)
         self._bad_target = (
@@ -118,10 +127,12 @@ class DistributedLoss(DistributedModule):
         for i, n in enumerate(g):
             if not (self.classwise and i == 1):
                 count *= n
-        out = spec if not self.classwise else TensorSpec(
+        out = spec if not self.classwise or self.split is not None else TensorSpec(
             spec.partition.reshape(spec.partition.shape[:1] + spec.partition.shape[2:])
             if k > 1 else spec.partition, g[:1] + g[2:], spec.dtype, spec.device_type)
-        return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1)
+        if self.split is not None:
+            self.split.plans(spec)
+        return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1, spec)
 
     @entry
     def forward(self, x: DistTensor | torch.Tensor, target) -> DistTensor | torch.Tensor:
@@ -152,7 +163,10 @@ class DistributedLoss(DistributedModule):
             return self._reduced(local, t, opts, plan)
 
     def _reduced(self, x, t, opts, plan: _LossPlan) -> torch.Tensor:
-        if self.P_x.active and x.numel():
+        if self.split is not None and self.P_x.active:  # (every member joins its sums)
+            s = self.split.losses(x, t, plan.spec, opts).sum().to(x.dtype).reshape(())
+            d = self._denominator(x, t, opts) if self.split.first else x.new_zeros(())
+        elif self.P_x.active and x.numel():
             s = self.fn(x, t, reduction="sum", **opts).reshape(())
             d = self._denominator(x, t, opts)
         else:
@@ -175,6 +189,11 @@ class DistributedLoss(DistributedModule):
         entries. Found at a call the ranks check (the first, another spec or grad state)
         it is raised on every rank; otherwise the rank whose target is wrong raises (its
         peers get the error as a RemoteError)."""
+        if (isinstance(target, DistTensor) and self.split is not None
+                and not target.spec.dtype.is_floating_point):
+            return (f"{self.name}: with the class dimension split, pass the class-index "
+                    f"target as a plain tensor (each rank's block, the same on every rank "
+                    f"of the class axis), not a DistTensor")
         if isinstance(target, DistTensor):
             P, got = spec.partition, target.spec.partition
             shape = P.shape
@@ -220,8 +239,8 @@ class DistributedLoss(DistributedModule):
         if not self.classwise:  # a fill on the device: no host-to-device copy
             return x.new_full((), float(x.numel()))
         ignore = opts.get("ignore_index", -100)
-        if t.dtype.is_floating_point:  # class probabilities: every target counts
-            return x.new_full((), float(t.numel() // max(t.shape[1] if t.dim() > 1 else 1, 1)))
+        if t.dtype.is_floating_point:  # class probabilities: every sample counts
+            return x.new_full((), float(math.prod(t.shape[:1] + t.shape[2:])))
         keep = t != ignore
         w = opts.get("weight")
         if w is None:

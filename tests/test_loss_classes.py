@@ -1,0 +1,149 @@
+"""Cross-entropy and NLL with the class dimension split (a vocabulary-parallel loss)
+against torch's, in float64: the loss and the input's whole gradient, gathered."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpudist
+import gpudist.nn as gnn
+from gpudist import DistTensor, Partition
+from tests.conftest import HAS_MPI
+from tests.util import block_of, gather, maxerr
+
+TOL = 1e-10
+W5 = [0.5, 1.0, 2.0, 1.5, 0.25]
+
+
+def _data(kind, gshape, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(gshape, generator=g, dtype=torch.float64) * 3
+    C = gshape[1]
+    if kind == "probs":
+        t = F.softmax(torch.randn(gshape, generator=g, dtype=torch.float64), 1)
+    else:
+        t = torch.randint(0, C, (gshape[0],) + tuple(gshape[2:]), generator=g)
+        if kind in ("ignore", "ignore255"):
+            t.view(-1)[::3] = 255 if kind == "ignore255" else 1
+    if kind == "logprob":
+        x = F.log_softmax(x, 1)
+    return x, t
+
+
+def _class_loss(name, kind, opts, reduction, pshape, gshape, ranks=None, dtype=None):
+    """(|loss - torch's|, max |dx - torch's|) on this rank (0 where it holds nothing);
+    ``dtype``: the input's (float64 if None), torch's loss taken in float64."""
+    from gpudist import Decomposition
+
+    w = gpudist.world()
+    P = Partition(ranks, pshape) if ranks is not None else Partition.grid(pshape)
+    opts = dict(opts)
+    if "weight" in opts:
+        opts["weight"] = torch.tensor(opts["weight"][:gshape[1]], dtype=torch.float64)
+    X, T = _data(kind, gshape, 11)
+    x = block_of(X, P).to(dtype or X.dtype).requires_grad_(True)
+    if kind == "probs":
+        t = block_of(T, P)
+    elif P.active:
+        sl = Decomposition(gshape, P.shape).global_slices(P.coords)
+        t = T[(sl[0],) + sl[2:]].clone()
+    else:
+        t = T[:0]
+    fn = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+    loss = gnn.DistributedLoss(P, name, reduction, **opts)(DistTensor.from_local(x, P, gshape), t)
+    loss.backward()
+    Xs = X.clone().requires_grad_(True)
+    L = fn(Xs, T, reduction=reduction, **opts)
+    L.backward()
+    root = Partition([P.ranks[0]], (1,) * P.dim)
+    value = abs(float(loss) - float(L)) if root.active else abs(float(loss))
+    dx = x.grad if x.grad is not None else torch.zeros_like(x)
+    dxg, root = gather(dx.to(torch.float64), P, gshape)
+    return w.rank, value, maxerr(dxg, Xs.grad) if root.active else 0.0
+
+
+CASES = [
+    ("cross_entropy", "index", {}),
+    ("cross_entropy", "index", {"weight": W5}),
+    ("cross_entropy", "index", {"label_smoothing": 0.2}),
+    ("cross_entropy", "index", {"label_smoothing": 0.1, "weight": W5}),
+    ("cross_entropy", "ignore", {"ignore_index": 1, "label_smoothing": 0.1}),
+    ("cross_entropy", "ignore255", {"ignore_index": 255, "weight": W5}),
+    ("cross_entropy", "probs", {}),
+    ("cross_entropy", "probs", {"label_smoothing": 0.3, "weight": W5}),
+    ("nll", "logprob", {}),
+    ("nll", "logprob", {"weight": W5}),
+    ("nll", "ignore255", {"ignore_index": 255, "weight": W5}),
+]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{len(c[2])}")
+def test_class_split_loss_equals_torch(cluster, case, reduction):
+    """Classes split 3 ways, unevenly (5 classes: 2, 2, 1), batch and a spatial dim split
+    too: (1, 3, 1) over 3 ranks and (2, 2, 1) over 4."""
+    for pshape, n in (((1, 3, 1), 3), ((2, 2, 1), 4)):
+        for _, dl, dx in cluster.run(n, _class_loss, *case, reduction, pshape, (5, 5, 3)):
+            assert dl < TOL and dx < TOL, (pshape, dl, dx)
+
+
+@pytest.mark.parametrize("gshape,pshape", [
+    ((4, 2), (1, 3)),        # a worker without classes (2 classes over 3)
+    ((3, 7, 2, 2), (1, 2, 2, 1)),
+    ((0, 4), (1, 2)),        # no samples
+    ((6, 9), (3, 1)),        # classes not split: the usual path, same answers
+])
+def test_class_split_loss_shapes(cluster, gshape, pshape):
+    n = 1
+    for s in pshape:
+        n *= s
+    case = ("cross_entropy", "index", {"label_smoothing": 0.1, "weight": W5 + W5})
+    for _, dl, dx in cluster.run(n, _class_loss, *case, "mean", pshape, gshape):
+        assert dx < TOL and (dl < TOL or gshape[0] == 0), (gshape, pshape, dl, dx)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_class_split_loss_lower_precision(cluster, dtype, tol):
+    """float32 and bfloat16 logits (summed in float32): close to torch's float64 loss."""
+    case = ("cross_entropy", "index", {"label_smoothing": 0.1, "weight": W5})
+    for _, dl, dx in cluster.run(2, _class_loss, *case, "mean", (1, 2, 1), (6, 5, 2),
+                                 dtype=dtype):
+        assert dl < tol and dx < tol, (dtype, dl, dx)
+
+
+def test_class_split_loss_on_some_ranks_and_mpi(cluster):
+    """The loss's partition on ranks 1 and 2 of 3 (rank 0 outside it), over MPI."""
+    backend = "mpi" if HAS_MPI else "gloo"
+    got = cluster.run(3, _class_loss, "cross_entropy", "ignore", {"ignore_index": 1},
+                      "mean", (1, 2), (6, 5), [1, 2], backend=backend)
+    for _, dl, dx in got:
+        assert dl < TOL and dx < TOL, got
+
+
+def _targets_differ():
+    w = gpudist.world()
+    P = Partition.grid((1, 2))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    t = torch.tensor([0, 1, 2, 3]) if w.rank == 0 else torch.tensor([0, 1, 2, 0])
+    gnn.DistributedLoss(P, "cross_entropy")(DistTensor.from_local(x, P, (4, 6)), t)
+
+
+def _target_out_of_range():
+    P = Partition.grid((1, 2))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    gnn.DistributedLoss(P, "cross_entropy")(DistTensor.from_local(x, P, (4, 6)),
+                                             torch.tensor([0, 1, 6, 3]))
+
+
+def _none_reduction():
+    gnn.DistributedLoss(Partition.grid((1, 2)), "cross_entropy", "none")
+
+
+@pytest.mark.parametrize("fn,text", [
+    (_targets_differ, "different targets"), (_target_out_of_range, "out of bounds"),
+    (_none_reduction, "reduction='none'")])
+def test_class_split_loss_errors(cluster, fn, text):
+    """Targets that differ along the class axis, a class out of range, and the
+    unsupported reduction: an error naming it on every rank, never a wrong loss."""
+    errs = cluster.run(2, fn, expect_error=True)
+    assert all(e is not None and text in e.message for e in errs), errs
