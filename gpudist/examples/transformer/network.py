@@ -22,9 +22,12 @@ all-gathered and each rank computes its block of output features, i.e. whole seq
 for its ``heads / M`` heads, so the causal attention is local. ``Wo`` and ``W2`` are
 :class:`~gpudist.nn.linear_sharded.DistributedLinearReduceScatter` layers: local partial
 products over the rank's features, reduce-scattered back to sequence blocks for the
-residual sums. The head is replicated (each rank computes the logits of its tokens; its
-gradient is summed over the ranks by the training loop). Adjoints: autograd through the
-layers (AllGather <-> ReduceScatter, Broadcast <-> SumReduce of parameter gradients).
+residual sums. The head is vocabulary-parallel: another ``DistributedLinearAllGather``
+gives each rank the logits of its block of the vocabulary for the whole sequence, and the
+loss (:class:`~gpudist.nn.loss.DistributedLoss`, cross-entropy with the class dimension
+split) combines the ranks' log-sum-exps without gathering the logits. Adjoints: autograd
+through the layers (AllGather <-> ReduceScatter, Broadcast <-> SumReduce of parameter
+gradients).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from gpudist.nn.linear_sharded import (
     DistributedLinearAllGather,
     DistributedLinearReduceScatter,
 )
+from gpudist.nn.loss import DistributedLoss
 
 from ..common import UsageError
 
@@ -143,7 +147,10 @@ class DistributedCharTransformer(nn.Module):
 
     ``forward(idx, batch)`` takes this rank's sequence block ``(B, S_m)`` of the token
     indices (every rank passes the batch size and the context length is fixed, so no shape
-    is exchanged) and returns this rank's logits ``(B, S_m, vocab)``.
+    is exchanged) and returns the logits of this rank's vocabulary block for the whole
+    sequence, class-major for the loss: a DistTensor ``(B, vocab, S)`` over ``P_x``
+    (vocabulary split). ``loss(logits, targets)``: the mean cross-entropy (the whole
+    ``(B, S)`` targets on every rank; the value on rank 0, a zero in the graph elsewhere).
     """
 
     def __init__(self, vocab: int, context: int, dim: int = 32, heads: int = 4,
@@ -165,12 +172,14 @@ class DistributedCharTransformer(nn.Module):
         self.blocks = nn.ModuleList([DistributedBlock(self.P_x, dim, heads, dtype)
                                      for _ in range(layers)])
         self.ln_f = DistributedLayerNorm(self.P_x, dim, dtype=dtype)
-        self.head = nn.Linear(dim, vocab, dtype=dtype)  # replicated
+        self.head = DistributedLinearAllGather(self.P_x, dim, vocab, dtype=dtype)
+        self.loss = DistributedLoss(self.P_x, "cross_entropy")
         self._pos: torch.Tensor | None = None
 
     def sharded(self) -> dict[str, nn.Module]:
         """The gpudist layers by their sequential names."""
-        out: dict[str, nn.Module] = {"tok": self.tok, "pos": self.pos, "ln_f": self.ln_f}
+        out: dict[str, nn.Module] = {"tok": self.tok, "pos": self.pos, "ln_f": self.ln_f,
+                                     "head": self.head}
         for i, b in enumerate(self.blocks):
             out.update({f"blocks.{i}.{n}": getattr(b, n) for n in SHARDED})
         return out
@@ -185,7 +194,9 @@ class DistributedCharTransformer(nn.Module):
             self.pos(DistTensor.from_local(self._pos, self.P_idx, shape))
         for b in self.blocks:
             x = b(x)
-        return self.head(self.ln_f(x).local)
+        y = self.head(self.ln_f(x))  # (B, S, V) over (1, 1, M): this rank's vocabulary
+        return DistTensor.from_local(y.local.transpose(1, 2), self.P_x,
+                                     (batch, self.vocab, self.context))
 
     def load_from(self, seq: CharTransformer) -> None:
         """Take the sequential network's parameters (every rank passes the same ones)."""
@@ -193,15 +204,12 @@ class DistributedCharTransformer(nn.Module):
         for name, layer in self.sharded().items():
             layer.load_global_state_dict({k[len(name) + 1:]: v for k, v in sd.items()
                                           if k.startswith(name + ".")})
-        self.head.load_state_dict(seq.head.state_dict())
 
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full parameters (sequential names) on rank 0, {} elsewhere."""
         out: dict[str, torch.Tensor] = {}
         for name, layer in self.sharded().items():
             out.update({f"{name}.{k}": v for k, v in layer.global_state_dict().items()})
-        if self.P_x.world.rank == 0:
-            out.update({f"head.{k}": v for k, v in self.head.state_dict().items()})
         return out
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gpudist.decomposition import block_range
 
 from ...nn import clip_grad_norm_
-from ..common import DTYPES, GradSum, loss_panels, save_results, train_loop
+from ..common import DTYPES, loss_panels, save_results, train_loop
 from .network import (
     CORPUS,
     CharTransformer,
@@ -83,26 +83,19 @@ def sequential_step(net: CharTransformer, opt: torch.optim.Optimizer, x: torch.T
 
 
 def distributed_step(net: DistributedCharTransformer, opt: torch.optim.Optimizer,
-                     gsum: GradSum, x: torch.Tensor, t: torch.Tensor, batch: int,
+                     x: torch.Tensor, t: torch.Tensor, batch: int,
                      clip: float | None = None) -> float:
-    """One step on every rank with its sequence blocks ``x``, ``t``: the local part of the
-    mean cross-entropy, backward (the layers' adjoint collectives sum their parameter
-    gradients), the replicated head's gradients and the loss summed, the gradients
-    clipped by the whole model's norm (``clip``), an Adam step."""
-    logits = net(x, batch)
-    n = batch * net.context
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1),
-                           reduction="sum") / n
-    opt.zero_grad(set_to_none=False)
-    for p in gsum.params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    """One step on every rank with its sequence block ``x`` and the whole targets ``t``:
+    the vocabulary-parallel mean cross-entropy, backward (the layers' adjoint collectives
+    sum their parameter gradients), the gradients clipped by the whole model's norm
+    (``clip``), an Adam step. Returns the loss (rank 0's; 0 elsewhere)."""
+    loss = net.loss(net(x, batch), t)
+    opt.zero_grad(set_to_none=True)
     loss.backward()
-    total = gsum(loss)
-    if clip is not None:  # the sharded blocks' norms and the (now equal) head's, once
+    if clip is not None:
         clip_grad_norm_(net, clip)
     opt.step()
-    return total.item()
+    return loss.item()
 
 
 def seq_block(t: torch.Tensor, net: DistributedCharTransformer) -> torch.Tensor:
@@ -122,12 +115,11 @@ def train_sequential(cfg: Config, net: CharTransformer, data: torch.Tensor) -> H
 def train_distributed(cfg: Config, net: DistributedCharTransformer, data: torch.Tensor
                       ) -> History:
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    gsum = GradSum(net.P_x, net.head)
     w = net.P_x.world
 
     def step(b):
-        return distributed_step(net, opt, gsum, seq_block(b[0], net), seq_block(b[1], net),
-                                cfg.batch_size, cfg.clip)
+        return distributed_step(net, opt, seq_block(b[0], net), b[1], cfg.batch_size,
+                                cfg.clip)
 
     losses, secs = train_loop(batches(cfg, data), step, cfg.progress and w.rank == 0,
                               f"distributed ({w.size} ranks)")
