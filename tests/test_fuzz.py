@@ -54,7 +54,7 @@ import pytest
 import torch
 
 import gpudist.nn as gnn
-from gpudist import DistTensor, Partition
+from gpudist import Decomposition, DistTensor, Partition
 from gpudist.launch import Cluster, RankFailure
 from gpudist.primitives import zero_volume
 from tests.conftest import HAS_MPI
@@ -387,7 +387,7 @@ def _gen_loss(rng, n, cfg):
         opts["log_input"] = rng.random() < 0.6
         opts["full"] = rng.random() < 0.5
     split = range(nd) if not classwise else [0] + list(range(2, nd)) + (
-        [1] if rng.random() < 0.08 else [])
+        [1] if rng.random() < 0.25 else [])  # the class dim split: a vocabulary-parallel loss
     xshape, xranks = _partition(rng, n, nd, split)
     cfg.update(loss=name, reduction=reduction, opts=opts, x_shape=xshape, x_ranks=xranks,
                gshapes=[gshape], vary=[0] + list(range(2, nd)) if classwise else list(range(nd)))
@@ -806,7 +806,10 @@ def _out_partition(cfg: dict, layer, P_x: Partition) -> tuple[Partition, Partiti
     if kind == "loss":
         P_t = P_x
         if cfg["loss"] in ("nll", "cross_entropy"):  # the input's without the class dim
-            P_t = Partition(P_x.ranks, P_x.shape[:1] + P_x.shape[2:])
+            # (None where the class dim is split: each rank the input block's rows,
+            # the same along the class axis, as a plain tensor)
+            P_t = Partition(P_x.ranks, P_x.shape[:1] + P_x.shape[2:]) \
+                if P_x.shape[1] == 1 else None
         return (P_t if cfg["reduction"] == "none" else P_x), \
             (P_x if cfg.get("probs") else P_t)
     P_y = getattr(layer, "P_y", None)
@@ -845,9 +848,16 @@ def rank_run(cfg: dict, sd: dict | None, yshapes: list) -> dict:
             xin = DistTensor.from_local(x, P_x, gshape) if cfg["dist"] else x
             if cfg["kind"] == "loss":
                 T = _target(cfg, call)
-                t = block_of(T, P_t)
-                y = layer(xin, DistTensor.from_local(t, P_t, tuple(T.shape))
-                          if cfg["dist"] else t)
+                if P_t is None:  # class indices, the class dim split
+                    t = T[:0]
+                    if P_x.active:
+                        sl = Decomposition(gshape, P_x.shape).global_slices(P_x.coords)
+                        t = T[(sl[0],) + sl[2:]].clone()
+                    y = layer(xin, t)
+                else:
+                    t = block_of(T, P_t)
+                    y = layer(xin, DistTensor.from_local(t, P_t, tuple(T.shape))
+                              if cfg["dist"] else t)
             else:
                 y = layer(xin)
             ysh = yshapes[call] if call < len(yshapes) else None

@@ -19,6 +19,7 @@ from gpudist.primitives import (
     zero_volume,
 )
 from gpudist.testing import adjoint_mismatch
+from tests.conftest import HAS_MPI
 from tests.util import block_of, global_tensor
 
 BLOCK = (3, 5)
@@ -301,7 +302,7 @@ def _fan_sums_in_two_roles(cycles):
             x = torch.full((s + 1, 3), float(w.rank + 1), dtype=torch.float64)
             out = pool.get("out", x.shape, x.dtype, x.device) if f.mine_one else None
             y = f.reduce(x, out, lambda what, like: pool.get(what, like.shape, like.dtype,
-                                                             like.device))
+                                                             like.device), 32)
             ok = ok and bool((x == w.rank + 1).all())
             if f.mine_one is not None:
                 ok = ok and bool((y == sum(r + 1 for r in f.mine_one.many)).all())
@@ -314,6 +315,94 @@ def test_fan_sums_in_two_roles(cluster, backend):
     res = cluster.run(4, _fan_sums_in_two_roles, 3, backend=backend, timeout=60)
     assert all(ok for ok, _ in res), res
     assert all(a[0] == a[-1] for _, a in res), res  # nothing allocated after the first cycle
+
+
+def _sums_in_another_order(kind):
+    """Two sums of different groups that both carry a message 1 -> 0 (trees: SumReduce
+    over ranks {0, 1} and over {1, 2} into rank 0; rings: AllSumReduce over {0, 1} and
+    over {0, 1, 2}, the ring threshold lowered). The second call's order differs on rank
+    1: each operator's messages must still meet their own receives (a review found the
+    trees' and rings' shared tag adding one operator's block into the other's sum)."""
+    from gpudist.primitives import AllSumReduce, SumReduce, ring
+
+    w = gpudist.world()
+    r = w.rank
+    A, B = Partition([0, 1], (2,)), Partition([1, 2] if kind == "tree" else [0, 1, 2],
+                                               (2,) if kind == "tree" else (3,))
+    old = ring.RING_MIN_BYTES
+    ring.RING_MIN_BYTES = 0
+    try:
+        if kind == "tree":
+            root = Partition.root(1, 0)
+            S1, S2 = SumReduce(A, root), SumReduce(B, root)
+        else:
+            S1, S2 = AllSumReduce(A, [0]), AllSumReduce(B, [0])
+        xa = DistTensor(torch.full((4,), float(r + 1)) if A.active else torch.zeros(0),
+                        TensorSpec(A, (4,), torch.float32, "cpu", (PARTIAL,)))
+        xb = DistTensor(torch.full((4,), float(10 * (r + 1))) if B.active else torch.zeros(0),
+                        TensorSpec(B, (4,), torch.float32, "cpu", (PARTIAL,)))
+        got = []
+        for call in range(3):
+            order = (S2, S1) if call > 0 and r == 1 else (S1, S2)
+            try:
+                y = {op: op(xa if op is S1 else xb).local.clone() for op in order}
+            except Exception as e:  # noqa: BLE001 - what the test judges
+                return got, type(e).__name__
+            got.append([float(y[op][0]) if y[op].numel() else None for op in (S1, S2)])
+        return got, None
+    finally:
+        ring.RING_MIN_BYTES = old
+
+
+@pytest.mark.parametrize("kind", ["tree", "ring"])
+def test_sums_in_another_order_on_one_rank(cluster, backend, kind):
+    """Each call's sums right on every rank that finishes it (each operator's messages
+    carry its own tag; MPI's tree sends complete unmatched), or a MismatchError (a gloo
+    send waits for its receive, a ring waits to receive: the two ranks wait in different
+    operators), never another operator's block in a sum."""
+    want = {"tree": [3.0, 50.0], "ring": [3.0, 60.0]}[kind]
+    res = cluster.run(3, _sums_in_another_order, kind, backend=backend, timeout=60)
+    for r, (got, err) in enumerate(res):
+        assert err in (None, "MismatchError", "RemoteError"), (r, res)
+        for call in got:  # the calls this rank finished
+            if kind == "tree":
+                assert call == (want if r == 0 else [None, None]), (r, res)
+            else:
+                assert call[1] == want[1] and call[0] == (want[0] if r < 2 else None), (r, res)
+    if backend == "mpi" and kind == "tree":  # a leaf's MPI send completes unmatched
+        assert all(e is None for _, e in res), res  # (a ring's receive waits: mismatch)
+    if any(e is not None for _, e in res):
+        cluster.discard(3, backend)  # an aborted world
+
+
+def _half_sums():
+    """float16/bfloat16 host sums of 1 and two tiny summands: the backend's sum (MPI's in
+    float32), not torch's adds in the half type (the trees and rings take other dtypes)."""
+    from gpudist.primitives import AllSumReduce, SumReduce, ring
+
+    w = gpudist.world()
+    P = Partition.grid((w.size,))
+    old, ring.RING_MIN_BYTES = ring.RING_MIN_BYTES, 0
+    try:
+        res = {}
+        for dt, eps in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
+            x = torch.full((4,), 1.0 if w.rank == 0 else eps, dtype=dt)
+            y = SumReduce(P, Partition.root(1, 0))(x)
+            res[f"SumReduce {dt}"] = float(y[0]) if w.rank == 0 else None
+            res[f"AllSumReduce {dt}"] = float(AllSumReduce(P, [0])(x)[0])
+        return res
+    finally:
+        ring.RING_MIN_BYTES = old
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="needs mpi4py")
+def test_half_host_sums_in_float32_on_mpi(cluster):
+    res = cluster.run(3, _half_sums, backend="mpi", timeout=60)
+    for r, got in enumerate(res):
+        for k, v in got.items():
+            if v is not None:
+                want = 1 + 2 * (2.0 ** -8 if "bfloat16" in k else 2.0 ** -11)
+                assert v == want, (r, k, v)
 
 
 def _fan_sum_wide(dtype):

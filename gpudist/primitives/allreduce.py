@@ -45,7 +45,8 @@ class AllSumReduce(Primitive):
 
     def _sum(self, x, name: str):
         y = self.buffers.get(name, x.shape, x.dtype, x.device)
-        ring.all_reduce(self.world.transport, y, x.contiguous(), self.sub.group)
+        ring.all_reduce(self.world.transport, y, x.contiguous(), self.sub.group,
+                        self.tag + (name == "adjoint"))
         return y
 
     def forward(self, x, plan: Plan):

@@ -46,6 +46,10 @@ from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
 from ..transport.base import Group
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+# point-to-point tags of the host sums' trees and rings, a pair (forward, adjoint) per
+# primitive in creation order (halo exchanges use 1024 and up): an operator's messages
+# never meet another's receive, also where ranks run operators in different orders
+_TAGS = range(32, 1024, 2)
 
 
 def zero_volume(
@@ -208,6 +212,7 @@ class Primitive(torch.nn.Module):
         self.member = world.rank in ranks
         # the n-th primitive these ranks build: two identical layers are still told apart
         self.uid = world.next_uid(("primitive", self.participants))
+        self.tag = _TAGS[world.next_uid("point-to-point tags") % len(_TAGS)]
         self.config = stable_hash((self.name, config, self.uid))
         # made once: every call names itself to the control plane with these
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"

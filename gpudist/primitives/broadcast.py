@@ -24,8 +24,7 @@ from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ..transport.base import P2P, Group
 from .base import Plan, Primitive, opaque_spec, zero_volume
-
-_TAG = 7  # the tag of the tree sums' messages (halo exchanges use 1024 and up)
+from .ring import HALF as _HALF
 
 
 @dataclass
@@ -99,14 +98,16 @@ class FanPlan:
         return x if many is not None and many.one == me else out
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None,
-               buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+               buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int
+               ) -> torch.Tensor | None:
         """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``.
         ``buffer(name, like)`` hands out a kept tensor shaped like ``like``.
 
-        Host tensors: a binomial tree of point-to-point messages over each fan, summed by
-        torch (:meth:`_tree_sum`); device tensors: the backend's reduce (NCCL's)."""
-        if not x.is_cuda:
-            return self._tree_sum(x, out, buffer)
+        Host tensors: a binomial tree of point-to-point messages over each fan (tagged
+        ``tag``: the operator's own), summed by torch (:meth:`_tree_sum`); device tensors
+        and half types (which MPI sums in float32): the backend's reduce."""
+        if not x.is_cuda and x.dtype not in _HALF:
+            return self._tree_sum(x, out, buffer, tag)
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends = many is not None and many.one != me and many.group is not None
@@ -126,7 +127,8 @@ class FanPlan:
         return out
 
     def _tree_sum(self, x: torch.Tensor, out: torch.Tensor | None,
-                  buffer: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+                  buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int
+                  ) -> torch.Tensor | None:
         """The fans' sums over binomial trees (:class:`_Tree`): in round ``r`` a worker
         receives a child's partial sum and adds it to its own, or sends its partial sum to
         its parent and is done. Measured against the backend's reduce of host memory, 2
@@ -137,10 +139,11 @@ class FanPlan:
         sums = []  # the trees this worker sums in: as a fan's root, as a member of another
         if self.mine_one is not None:
             t = self.tree_one
-            sums.append(_Summing(t, out, buffer("root", out) if len(t.children) > 1 else None))
+            sums.append(_Summing(t, tag, out,
+                                 buffer("root", out) if len(t.children) > 1 else None))
         if self.mine_many is not None and self.mine_many.one != me:
             t, n = self.tree_many, len(self.tree_many.children)
-            sums.append(_Summing(t, buffer("partial", x) if n else None,
+            sums.append(_Summing(t, tag, buffer("partial", x) if n else None,
                                  buffer("partial-more", x) if n > 1 else None))
         for r in range(max((s.tree.rounds for s in sums), default=0)):
             ops, adding = [], []
@@ -164,6 +167,7 @@ class _Summing:
     is the partial sum so far (None: this worker's block alone)."""
 
     tree: _Tree
+    tag: int
     first: torch.Tensor | None
     more: torch.Tensor | None
     acc: torch.Tensor | None = None
@@ -172,10 +176,11 @@ class _Summing:
         """Round ``r``'s message (send up, or receive a child's sum); whether it receives."""
         t = self.tree
         if t.parent is not None and t.parent[0] == r:
-            ops.append(P2P("send", x if self.acc is None else self.acc, t.parent[1], _TAG))
+            ops.append(P2P("send", x if self.acc is None else self.acc, t.parent[1], self.tag))
         child = next((c for when, c in t.children if when == r), None)
         if child is not None:
-            ops.append(P2P("recv", self.first if self.acc is None else self.more, child, _TAG))
+            ops.append(P2P("recv", self.first if self.acc is None else self.more, child,
+                           self.tag))
         return child is not None
 
     def add(self, x: torch.Tensor) -> None:
@@ -247,7 +252,7 @@ class _FanPrimitive(Primitive):
             out = self.buffers.get(name, one.local_shape, x.dtype, x.device)
         x = x.contiguous()
         y = self.fans.reduce(x, out, lambda what, like: self.buffers.get(
-            f"{name}-{what}", like.shape, like.dtype, like.device))
+            f"{name}-{what}", like.shape, like.dtype, like.device), self.tag)
         return y if y is not None else zero_volume(one.ndim, like=x)
 
 

@@ -101,7 +101,8 @@ class _Along(Primitive):
         g = self.sub.group
         spare = (self.buffers.get(name + "-spare", out.shape, out.dtype, out.device)
                  if ring.needs_spare(x, g) else None)
-        ring.reduce_scatter(self.world.transport, out, x, g, spare)
+        ring.reduce_scatter(self.world.transport, out, x, g, spare,
+                            self.tag + (name == "adjoint"))
 
 
 class AllGather(_Along):

@@ -24,12 +24,12 @@ import torch
 from ..transport.base import P2P, Group, Transport
 
 RING_MIN_BYTES = 8 << 20  # smaller sums go to the backend's collective
-_TAG = 8  # the ring's messages (the fans' trees use 7, halo exchanges 1024 and up)
+HALF = (torch.float16, torch.bfloat16)  # summed by the backend (MPI: in float32)
 
 
 def _rings(x: torch.Tensor, group: Group | None) -> bool:
     return (group is not None and group.size > 1 and not x.is_cuda
-            and x.nbytes >= RING_MIN_BYTES)
+            and x.nbytes >= RING_MIN_BYTES and x.dtype not in HALF)
 
 
 def _chunks(n: int, k: int) -> list[slice]:
@@ -46,9 +46,9 @@ def _chunks(n: int, k: int) -> list[slice]:
 class _Ring:
     """This member's neighbours and the chunks of a flat tensor of ``n`` elements."""
 
-    def __init__(self, tr: Transport, group: Group, n: int) -> None:
+    def __init__(self, tr: Transport, group: Group, n: int, tag: int) -> None:
         k, i = group.size, group.index(tr.rank)
-        self.tr, self.k, self.i = tr, k, i
+        self.tr, self.k, self.i, self.tag = tr, k, i, tag
         self.next, self.prev = group.ranks[(i + 1) % k], group.ranks[(i - 1) % k]
         self.chunk = _chunks(n, k)
 
@@ -58,8 +58,8 @@ class _Ring:
     def shift(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         """Send ``send`` to the next member while receiving ``recv`` from the previous."""
         tr = self.tr
-        tr.wait(tr.batch_p2p([P2P("recv", recv, self.prev, _TAG),
-                              P2P("send", send, self.next, _TAG)]))
+        tr.wait(tr.batch_p2p([P2P("recv", recv, self.prev, self.tag),
+                              P2P("send", send, self.next, self.tag)]))
 
     def reduce_scatter(self, x: torch.Tensor,
                        into: Callable[[int, int], torch.Tensor]) -> None:
@@ -74,20 +74,22 @@ class _Ring:
             send = recv
 
 
-def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group) -> None:
-    """``y`` = the sum of the members' ``x`` (same shape, contiguous; ``x`` kept)."""
+def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, tag: int
+               ) -> None:
+    """``y`` = the sum of the members' ``x`` (same shape, contiguous; ``x`` kept); ``tag``:
+    the calling operator's own."""
     if not _rings(x, group):
         tr.wait([tr.all_reduce(y, group, src=x)])
         return
     yf, xf = y.view(-1), x.view(-1)
-    ring = _Ring(tr, group, xf.numel())
+    ring = _Ring(tr, group, xf.numel(), tag)
     ring.reduce_scatter(xf, lambda s, j: yf[ring.at(j)])
     for s in range(ring.k - 1):  # pass the finished chunks on
         ring.shift(yf[ring.at(ring.i - s)], yf[ring.at(ring.i - s - 1)])
 
 
 def reduce_scatter(tr: Transport, out: torch.Tensor, x: torch.Tensor, group: Group,
-                   spare: torch.Tensor | None) -> None:
+                   spare: torch.Tensor | None, tag: int) -> None:
     """``out`` = this member's chunk (the group's size equal chunks, in group order) of the
     sum of the members' ``x`` (contiguous). ``spare``: a buffer shaped like ``out`` that
     the ring's steps alternate with (None: ask :func:`needs_spare` first)."""
@@ -95,7 +97,7 @@ def reduce_scatter(tr: Transport, out: torch.Tensor, x: torch.Tensor, group: Gro
         tr.wait([tr.reduce_scatter(out, x, group)])
         return
     xf, of = x.view(-1), out.view(-1)
-    ring = _Ring(tr, group, xf.numel())
+    ring = _Ring(tr, group, xf.numel(), tag)
     last = ring.k - 2  # the last step receives into ``out``, the one before into ``spare``
     ring.reduce_scatter(xf, lambda s, j: of if (last - s) % 2 == 0 else spare.view(-1))
 
