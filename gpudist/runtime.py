@@ -454,6 +454,7 @@ def _excepthook(kind, value, tb) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
         signal.alarm(max(1, EXIT_TEARDOWN_S))
+    w.transport.release_in_flight()
     w.transport.abandon()  # no teardown that waits for a collective left in flight
     _flush_open_files()  # before a teardown that may not reach their finalizers
 
@@ -488,6 +489,8 @@ def _at_exit() -> None:
     if w is not None and w.control.aborted is None:
         w.control.abort(RuntimeError(f"rank {w.rank} exited without gpudist.finalize()"),
                         "interpreter exit")
+    if w is not None:
+        w.transport.release_in_flight()
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -520,6 +523,7 @@ def finalize() -> None:
     if w.control.aborted is not None:
         global _ABORTED
         _ABORTED = str(w.control.aborted)[:300]
+        w.transport.release_in_flight()
         return
     try:
         if w.size > 1:

@@ -9,7 +9,9 @@ while its peers go on), ``mismatch`` (rank 1 runs another collective than its pe
 is truncated, every rank loads its own: rank 1 fails in ``torch.load``, outside gpudist),
 ``caught`` (4 ranks; rank 3 repeats a SumReduce call with a stale spec its peers changed:
 it sends its block up the sum's tree, to rank 1, and goes on, its peers find the mismatch;
-every rank catches its error and exits normally, leaving that message unreceived).
+every rank catches its error and exits normally, leaving that message unreceived),
+``caughtring`` (3 ranks; the same with an AllSumReduce run as a ring: rank 1 repeats a
+stale spec and checks while its peers' ring messages wait, unmatched, for it).
 Every rank prints one line ``RESULT <rank> <status>`` (the others
 are expected to fail with a gpudist error naming rank 1).
 """
@@ -38,7 +40,7 @@ _DEAD: list = []
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("case", choices=["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch",
-                                    "caught"])
+                                    "caught", "caughtring"])
     p.add_argument("--dir", default=".")
     p.add_argument("--backend", default="gloo")
     p.add_argument("--timeout", type=float, default=60.0)
@@ -66,6 +68,8 @@ def main() -> int:
         s(xs) if w.rank == 1 else g(xg)
     if a.case == "caught":
         return _caught(w)
+    if a.case == "caughtring":
+        return _caught_ring(w)
     P = Partition.grid((1, 1, w.size))
     conv = gnn.DistributedConv1d(P, 2, 2, 3, padding=1)
     x = DistTensor.from_local(torch.randn(2, 2, 4), P, (2, 2, 4 * w.size))
@@ -117,6 +121,25 @@ def _caught(w) -> int:
         gpudist.finalize()
         print(f"RESULT {w.rank} missed", flush=True)
     except gpudist.GpudistError as e:
+        print(f"RESULT {w.rank} caught {type(e).__name__}", flush=True)
+    return 0
+
+
+def _caught_ring(w) -> int:
+    from gpudist.primitives import AllSumReduce, ring
+
+    ring.RING_MIN_BYTES = 0  # (9 MiB at the shipped threshold: the same, slower)
+    P = Partition.grid((w.size,))
+    A = AllSumReduce(P, [0])
+    big = 1 << 19
+    try:
+        for n in (big, big - 8, big if w.rank != 1 else big - 8):
+            A(DistTensor(torch.ones(n, dtype=torch.float64),
+                         TensorSpec(P, (n,), torch.float64, "cpu", (PARTIAL,))))
+        gpudist.finalize()
+        print(f"RESULT {w.rank} missed", flush=True)
+    except gpudist.GpudistError as e:
+        gpudist.finalize()
         print(f"RESULT {w.rank} caught {type(e).__name__}", flush=True)
     return 0
 

@@ -375,6 +375,28 @@ def test_sums_in_another_order_on_one_rank(cluster, backend, kind):
         cluster.discard(3, backend)  # an aborted world
 
 
+def _built_on_members_only():
+    """A primitive built by its participants only (its group exists already), then a
+    world-wide sum's tree: each primitive's tags come from what its participants agree on,
+    so the tree's messages meet (a count over every primitive built put rank 2's tags off
+    by one: a hang in the tree, found in the suite's own order)."""
+    from gpudist.primitives import SumReduce
+
+    w = gpudist.world()
+    A, root = Partition([0, 1], (2,)), Partition.root(1, 0)
+    SumReduce(A, root)  # every rank: the group of ranks 0 and 1 is made
+    if w.rank in (0, 1):
+        SumReduce(A, root)  # its participants only
+    P = Partition.grid((w.size,))
+    y = SumReduce(P, root)(torch.full((3,), float(w.rank + 1)))
+    return float(y[0]) if w.rank == 0 else None
+
+
+def test_primitive_built_on_members_only(cluster, backend):
+    res = cluster.run(3, _built_on_members_only, backend=backend, timeout=60)
+    assert res[0] == 6.0, res
+
+
 def _half_sums():
     """float16/bfloat16 host sums of 1 and two tiny summands: the backend's sum (MPI's in
     float32), not torch's adds in the half type (the trees and rings take other dtypes)."""

@@ -47,8 +47,9 @@ from ..transport.base import Group
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 # point-to-point tags of the host sums' trees and rings, a pair (forward, adjoint) per
-# primitive in creation order (halo exchanges use 1024 and up): an operator's messages
-# never meet another's receive, also where ranks run operators in different orders
+# primitive (halo exchanges use 1024 and up): an operator's messages do not meet another's
+# receive where ranks run operators in different orders (two primitives share a pair by
+# chance, 1 in 496)
 _TAGS = range(32, 1024, 2)
 
 
@@ -212,7 +213,10 @@ class Primitive(torch.nn.Module):
         self.member = world.rank in ranks
         # the n-th primitive these ranks build: two identical layers are still told apart
         self.uid = world.next_uid(("primitive", self.participants))
-        self.tag = _TAGS[world.next_uid("point-to-point tags") % len(_TAGS)]
+        # (from what the participants agree on, checked at the first call through
+        # ``config``: a count over every primitive built would differ where a rank builds
+        # one that the others do not, and their messages would never meet)
+        self.tag = _TAGS[stable_hash((self.participants, self.uid)) % len(_TAGS)]
         self.config = stable_hash((self.name, config, self.uid))
         # made once: every call names itself to the control plane with these
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"

@@ -326,6 +326,11 @@ class Transport(ABC):
     def finalize(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources."""
 
+    def release_in_flight(self) -> None:  # noqa: B027 - optional hook
+        """An aborted world's exit: end what a helper thread still waits for (gloo's
+        point-to-point), so that no wait returns into Python during the interpreter's
+        teardown."""
+
     def abandon(self) -> None:  # noqa: B027 - optional hook
         """Leave the backend as it is for an exit after an error: a backend whose teardown
         would wait for an operation left in flight skips that teardown."""

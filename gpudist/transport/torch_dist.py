@@ -109,6 +109,7 @@ class _P2PWaiter:
     def __init__(self) -> None:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.open: set[_Pending] = set()  # submitted, not yet waited out
 
     def submit(self, works) -> _Pending:
         if self.thread is None:
@@ -116,8 +117,29 @@ class _P2PWaiter:
                                            daemon=True)
             self.thread.start()
         p = _Pending(works)
+        self.open.add(p)
         self.q.put(p)
         return p
+
+    def cut(self, within: float = 2.0) -> None:
+        """End the waits still open (an aborted world's: their peers will never match
+        them). A timed wait on each here times out and closes its connection ("pair
+        closure"), which wakes the thread's wait (and the peer's) with an error; then wait
+        up to ``within`` seconds for the thread to see it. Left blocked, the thread wakes
+        when a peer exits: if this interpreter's teardown has begun by then, taking the GIL
+        ends the thread inside a C++ destructor ("terminate called without an active
+        exception", SIGABRT at exit; a fuzz found it in 3 of 4 runs of a mismatch caught
+        during a ring)."""
+        brief = datetime.timedelta(milliseconds=1)
+        for p in list(self.open):
+            for w in p.works or ():
+                try:
+                    w.wait(timeout=brief)
+                except Exception:  # noqa: BLE001 - timed out (the point) or failed
+                    pass
+        deadline = time.monotonic() + within
+        for p in list(self.open):
+            p.event.wait(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:
@@ -131,6 +153,7 @@ class _P2PWaiter:
             except BaseException as e:  # handed to the caller
                 p.error = e
             p.works = w = None  # hold no backend work past its wait (the group may go next)
+            self.open.discard(p)
             p.event.set()
             p = None
 
@@ -165,6 +188,11 @@ class TorchDistTransport(Transport):
         everyone = tuple(range(self.size))
         self.world_meta = dist.new_group(list(everyone), timeout=self._td, backend="gloo")
         self._groups[everyone] = Group(everyone, dist.group.WORLD, self.world_meta)
+        # gpudist's point-to-point messages (halo steps, trees, rings) on a group of their
+        # own: never matched by a user's own send or receive on the default group, and
+        # under gpudist's timeout even where the program made that group itself
+        self.p2p_group = dist.new_group(list(everyone), timeout=self._td) \
+            if self.size > 1 else None
 
     # -- helpers ------------------------------------------------------------
     def native(self, t: torch.Tensor) -> bool:
@@ -237,7 +265,7 @@ class TorchDistTransport(Transport):
                 if t is not o.tensor:
                     back.append((t, o.tensor))
             fn = dist.isend if o.op == "send" else dist.irecv
-            dops.append(dist.P2POp(fn, t, o.peer, tag=o.tag))
+            dops.append(dist.P2POp(fn, t, o.peer, group=self.p2p_group, tag=o.tag))
         works = dist.batch_isend_irecv(dops)
         what = p2p_label(ops)
 
@@ -329,6 +357,11 @@ class TorchDistTransport(Transport):
         is exiting; the operating system reclaims the groups."""
         for pg in list(dist.distributed_c10d._world.pg_map):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+    def release_in_flight(self) -> None:
+        """An aborted world's exit: end the point-to-point waits left open
+        (:meth:`_P2PWaiter.cut`) while the interpreter still runs."""
+        self._waiter.cut()
 
     def finalize(self) -> None:
         self._waiter.stop()
