@@ -397,6 +397,33 @@ def test_primitive_built_on_members_only(cluster, backend):
     assert res[0] == 6.0, res
 
 
+def _users_own_messages():
+    """gloo: the user's own send on the default group with the very tag of a sum's tree,
+    posted first: gpudist's tree (on a group of its own) takes its own message, the user's
+    receive the user's."""
+    import torch.distributed as dist
+
+    from gpudist.primitives import SumReduce
+
+    w = gpudist.world()
+    P, root = Partition.grid((2,)), Partition.root(1, 0)
+    S = SumReduce(P, root)
+    mine = torch.full((4,), 100.0 + w.rank)
+    work = dist.isend(mine, 0, tag=S.tag) if w.rank == 1 else None
+    y = S(torch.full((4,), float(w.rank + 1)))
+    if w.rank == 1:
+        work.wait()
+        return None
+    got = torch.empty(4)
+    dist.recv(got, 1, tag=S.tag)
+    return float(y[0]), float(got[0])
+
+
+def test_users_own_messages_stay_the_users(cluster):
+    res = cluster.run(2, _users_own_messages, backend="gloo", timeout=60)
+    assert res[0] == (3.0, 101.0), res
+
+
 def _half_sums():
     """float16/bfloat16 host sums of 1 and two tiny summands: the backend's sum (MPI's in
     float32), not torch's adds in the half type (the trees and rings take other dtypes)."""
