@@ -194,9 +194,10 @@ class Control:
 
     def failed(self, e: BaseException, where: str) -> None:
         """``e`` ends a call in ``where``: posted unless every rank raises it alike (what
-        :meth:`scope` does; for the hot paths that catch instead of entering a scope)."""
-        if not is_everywhere(e) and not isinstance(
-                e, (KeyboardInterrupt, GeneratorExit, *_CONTROL_FLOW)):
+        :meth:`scope` does; for the hot paths that catch instead of entering a scope).
+        A KeyboardInterrupt is posted too: the call stopped half-way here (its peers wait
+        for it, and a receive it left posted would take a later call's message)."""
+        if not is_everywhere(e) and not isinstance(e, (GeneratorExit, *_CONTROL_FLOW)):
             self.abort(e, where)
 
     def close(self) -> None:

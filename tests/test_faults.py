@@ -605,6 +605,58 @@ def test_bool_sums(cluster, backend):
     assert all(cluster.run(3, _bool_sums, backend=backend))
 
 
+def _interrupted_wait():
+    """Rank 0 is interrupted (Ctrl-C) while it waits in a sum's tree for rank 1, and
+    catches it: the world is aborted (rank 1 is told, rank 0's next call raises), so the
+    receive it left posted can never take a later call's message."""
+    import _thread
+    import signal
+    import threading
+
+    from gpudist.primitives import SumReduce
+
+    w = gpudist.world()
+    S = SumReduce(Partition.grid((2,)), Partition.root(1, 0))
+    S(torch.ones(3))  # checked once: the next call takes the short way, no exchange
+    out = []
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    if w.rank == 0:  # Python's own delivery of a signal (no OS signal that another
+        # thread, the store's server, could take; the rank pools ignore SIGINT)
+        old = signal.signal(signal.SIGUSR1, interrupt)
+        threading.Timer(0.3, _thread.interrupt_main, (signal.SIGUSR1,)).start()
+    else:
+        time.sleep(1.0)  # rank 0 waits in the tree meanwhile
+    try:
+        S(torch.ones(3))
+        out.append("done")
+    except KeyboardInterrupt:
+        out.append("interrupted")
+    except gpudist.GpudistError as e:
+        out.append(type(e).__name__)
+    finally:
+        if w.rank == 0:
+            signal.signal(signal.SIGUSR1, old)
+    try:
+        S(torch.ones(3))
+        out.append("done")
+    except gpudist.GpudistError as e:
+        out.append(type(e).__name__)
+    if w.rank == 0:  # a pool rank leaves once its world is aborted; under MPI it serves
+        time.sleep(1.5)  # the control store, which rank 1 reads when it wakes
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_interrupted_wait_aborts_the_world(cluster, backend):
+    res = cluster.run(2, _interrupted_wait, backend=backend, timeout=60)
+    assert res[0] == ["interrupted", "WorldAborted"], res
+    assert res[1][-1] in ("RemoteError", "WorldAborted") and "done" not in res[1][1:], res
+    cluster.discard(2, backend)
+
+
 # ------------------------------------------------------------------ real launchers
 def _launch(case, backend, tmp):
     script = str(ROOT / "tests" / "fault_script.py")
