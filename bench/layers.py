@@ -25,6 +25,9 @@ avoid). Layers (``--layers``):
 * ``upsample2d_crop`` the same resampling the halo-extended block and cropping it (the
                    path before ``edge_split``)
 * ``linear``       DistributedLinear with P_w (2,N/2), x (1,N/2), y (1,2)
+* ``cross_entropy_vocab`` DistributedCrossEntropyLoss with the class dim split, logits
+                   (8 x batch, 2 x out features) over (1,N): a vocabulary-parallel loss,
+                   against torch's cross-entropy of the block (its classes' targets)
 
 Peak memory per worker: CUDA max allocated on GPU, ``ru_maxrss`` (whole-process peak,
 coarse) on CPU; the maximum over ranks is reported.
@@ -39,7 +42,7 @@ from .common import Timer, add_common_args, paired, peak_memory_mib, progress, r
 
 LAYERS = ["conv2d", "conv2d_strips", "conv2d_strips_serial", "conv2d_strips_overlap",
           "conv2d_chan", "maxpool2d", "maxpool2d_copy", "avgpool2d", "batchnorm2d", "upsample2d",
-          "upsample2d_crop", "linear"]
+          "upsample2d_crop", "linear", "cross_entropy_vocab"]
 
 
 def grid2(n: int) -> tuple[int, int]:
@@ -132,6 +135,17 @@ def _build(name: str, world, shape: tuple[int, ...], feat: tuple[int, int, int])
         ref = torch.nn.Linear(fin // fi, fout // fo, device=dev)
         xr = GX if whole else torch.rand(batch, fin // fi, device=dev)
         return layer, _block(GX, P_x), ref, xr, f"w {fo}x{fi}"
+    if name == "cross_entropy_vocab":
+        T, V = 8 * feat[0], 2 * feat[2]
+        P_v = Partition.grid((1, n))
+        loss = gnn.DistributedCrossEntropyLoss(P_v)
+        gen = torch.Generator().manual_seed(1)
+        t = torch.randint(0, V, (T,), generator=gen).to(dev)
+        GX = torch.randn(T, V, generator=gen).to(dev)
+        xv = _block(GX, P_v)
+        tl = torch.randint(0, xv.local.shape[1], (T,), generator=gen).to(dev)
+        return ((lambda z: loss(z, t)), xv, (lambda z: F.cross_entropy(z, tl)),
+                GX if whole else xv.local.clone(), f"1x{n}")
     raise ValueError(f"unknown layer {name!r} (choose from {LAYERS})")
 
 
@@ -164,7 +178,8 @@ def layer_case(args, world, name: str, shape, feat) -> dict | None:
     n = world.size
     return {
         "case": name, "backend": world.backend, "ranks": n, "partition": label,
-        "global_shape": "x".join(map(str, feat if name == "linear" else shape)),
+        "global_shape": "x".join(map(str, feat if name == "linear" else (
+            (8 * feat[0], 2 * feat[2]) if name == "cross_entropy_vocab" else shape))),
         "reference": "torch layer (whole tensor)" if n == 1 else "torch op on the block",
         "gpudist_ms": tg * 1e3, "reference_ms": tr * 1e3, "ratio": tg / tr,
         **paired(res["gpudist"], res["reference"]),
