@@ -147,3 +147,65 @@ def test_class_split_loss_errors(cluster, fn, text):
     unsupported reduction: an error naming it on every rank, never a wrong loss."""
     errs = cluster.run(2, fn, expect_error=True)
     assert all(e is not None and text in e.message for e in errs), errs
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to 1e-12, NaN where the other is NaN, inf where it is inf."""
+    return bool(torch.allclose(a, b, rtol=0, atol=1e-12, equal_nan=True))
+
+
+def _edge_values():
+    """Non-finite logits and an all-ignored batch (review-found: a clamped index's -inf
+    read x 0, an ignored padding row x 0 and the all-ignored mean's inf gradient x 0 gave
+    NaN where torch's loss and gradients are finite)."""
+    from gpudist import Decomposition
+
+    inf = float("inf")
+    P = Partition.grid((1, 2))
+    cases = [  # (input, target, fn, options)
+        ([[1.0, 0.5, -inf, 0.3]], [0], F.cross_entropy, {}),
+        (torch.log(torch.tensor([[0.5, 0.5, 0.0, 0.0]])).tolist(), [1], F.nll_loss, {}),
+        ([[0.3, -1.2, 0.8, 2.0], [1.0, 0.0, 0.5, 0.1]], [-100, -100], F.cross_entropy, {}),
+        ([[1.0, 2.0, 0.0, 0.5], [-inf, -inf, -inf, -inf]], [3, -100], F.cross_entropy, {}),
+        ([[1.0, 0.5, -inf, 0.3]], [0], F.cross_entropy, {"label_smoothing": 0.1}),
+    ]
+    out = []
+    for X, T, fn, opts in cases:
+        X, T = torch.tensor(X, dtype=torch.float64), torch.tensor(T)
+        sl = Decomposition(tuple(X.shape), P.shape).global_slices(P.coords)
+        x = X[sl].clone().requires_grad_(True)
+        name = "cross_entropy" if fn is F.cross_entropy else "nll"
+        loss = gnn.DistributedLoss(P, name, "mean", **opts)(
+            DistTensor.from_local(x, P, tuple(X.shape)), T)
+        loss.backward()
+        Xs = X.clone().requires_grad_(True)
+        L = fn(Xs, T, reduction="mean", **opts)
+        L.backward()
+        value = _same(loss.detach(), L.detach()) if P.coords[1] == 0 else float(loss) == 0
+        out.append((value, _same(x.grad, Xs.grad[sl])))
+    return out
+
+
+def test_class_split_loss_edge_values(cluster):
+    for got in cluster.run(2, _edge_values):
+        assert all(v and g for v, g in got), got
+
+
+def _bad_option(opts, name):
+    P = Partition.grid((1, 2))
+    loss = gnn.DistributedLoss(P, name, **opts)
+    loss(DistTensor.from_local(torch.randn(3, 2, dtype=torch.float64), P, (3, 4)),
+         torch.tensor([0, 1, 3]))
+
+
+@pytest.mark.parametrize("opts,name,text", [
+    ({"label_smoothing": 0.1}, "nll", "unexpected option"),
+    ({"ignore_idx": 3}, "cross_entropy", "unexpected option"),
+    ({"label_smoothing": 1.5}, "cross_entropy", "between 0.0 and 1.0"),
+    ({"weight": torch.ones(5, dtype=torch.float64)}, "cross_entropy", "5 entries for 4"),
+])
+def test_class_split_loss_bad_options(cluster, opts, name, text):
+    """Options torch would refuse (this path does not call torch's loss): an error
+    naming them on every rank."""
+    errs = cluster.run(2, _bad_option, opts, name, expect_error=True)
+    assert all(e is not None and text in e.message for e in errs), errs

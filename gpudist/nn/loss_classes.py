@@ -31,12 +31,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..errors import ShapeError
+from ..buffers import LRU
+from ..errors import ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllGather, AllSumReduce, Plan
 from ..spec import PARTIAL, TensorSpec
 
 _ROWS = 2  # values per sample each primitive moves (fixed: every call moves alike)
+_OPTIONS = {"cross_entropy": ("weight", "ignore_index", "label_smoothing"),
+            "nll_loss": ("weight", "ignore_index")}
 
 
 class ClassSplit:
@@ -46,11 +49,25 @@ class ClassSplit:
     alone also counts the samples in the "mean" divisor."""
 
     def __init__(self, P_x: Partition, fn, options: dict) -> None:
+        name = fn.__name__
+        extra = sorted(set(options) - set(_OPTIONS[name]))
+        if extra:  # (torch's own function would refuse them; this path does not call it)
+            raise raised_everywhere(TypeError(
+                f"{name}: unexpected option(s) {extra}; with the class dimension split it "
+                f"takes {', '.join(_OPTIONS[name])}"))
+        eps = options.get("label_smoothing", 0.0)
+        if not 0.0 <= float(eps) <= 1.0:
+            raise raised_everywhere(ValueError(
+                f"{name}: label_smoothing must be between 0.0 and 1.0, got {eps}"))
+        w = options.get("weight")
+        if w is not None and (not isinstance(w, torch.Tensor) or w.dim() != 1):
+            raise raised_everywhere(ShapeError(
+                f"{name}: weight must be a 1-dimensional tensor of one weight per class"))
         self.P_x, self.fn, self.options = P_x, fn, options
         self.gather = AllGather(P_x, 1, 1)  # world-collective, as every primitive
         self.sums = AllSumReduce(P_x, axes=(1,))
         self.first = P_x.active and P_x.coords[1] == 0
-        self._plans: dict[TensorSpec, tuple[Plan, Plan]] = {}
+        self._plans: LRU = LRU(P_x.world.cache_size)
 
     @staticmethod
     def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,13 +81,19 @@ class ClassSplit:
         got = self._plans.get(spec)
         if got is None:
             g, k, dt = spec.global_shape, self.P_x.shape[1], self.work_dtype(spec.dtype)
+            w = self.options.get("weight")
+            if w is not None and w.numel() != g[1]:
+                raise raised_everywhere(ShapeError(
+                    f"{self.fn.__name__}: weight has {w.numel()} entries for {g[1]} "
+                    f"classes (one per class)"))
             rows = (g[0], _ROWS * k) + tuple(g[2:])
             standard = tuple(range(len(g)))
             part = (0, PARTIAL) + standard[2:]
             gather = TensorSpec(self.P_x, rows, dt, spec.device_type, standard)
             summed = TensorSpec(self.P_x, (g[0], _ROWS) + tuple(g[2:]), dt,
                                 spec.device_type, part)
-            got = self._plans[spec] = (self.gather.plan(gather), self.sums.plan(summed))
+            got = self._plans.get_or_make(
+                spec, lambda: (self.gather.plan(gather), self.sums.plan(summed)))
         return got
 
     def losses(self, x: torch.Tensor, t: torch.Tensor, spec: TensorSpec, opts: dict
@@ -117,9 +140,10 @@ class ClassSplit:
                 raise IndexError(f"{self.fn.__name__}: target {int(t[bad][0])} is out of "
                                  f"bounds (classes 0..{C - 1})")
             mine = valid & (t >= c0) & (t < c0 + n)
-            if n:
+            if n:  # (selected, not multiplied: a logit read at a clamped index may be
+                # -inf, and 0 x -inf is NaN)
                 idx = (t - c0).clamp(0, n - 1).unsqueeze(1)
-                xt = x.gather(1, idx).squeeze(1) * mine
+                xt = torch.where(mine, x.gather(1, idx).squeeze(1), 0)
             else:
                 xt = x.sum(1) * 0
             if eps and cross:
@@ -132,14 +156,20 @@ class ClassSplit:
         a, b = summed[:, 0], summed[:, 1]
         if probs:
             loss = LSE * b - a
-        else:
-            wt = (w[t.masked_fill(~valid, 0)] if w is not None
-                  else torch.ones_like(LSE)).masked_fill(~valid, 0)
+        else:  # ignored samples selected away, not multiplied by 0: their logits may be
+            # -inf (padding), and where every target is ignored the mean's gradient is
+            # inf, which x 0 would make NaN (torch's gradient there is 0)
+            wt = w[t.masked_fill(~valid, 0)] if w is not None else 1.0
             if cross:
                 loss = wt * (LSE - a) * (1 - eps)
                 if eps:
                     W = w.sum() if w is not None else float(C)
-                    loss = loss + (W * LSE - b).masked_fill(~valid, 0) * (eps / C)
+                    loss = loss + (W * LSE - b) * (eps / C)
             else:
                 loss = -wt * a
-        return loss if self.first else loss * 0
+            loss = torch.where(valid, loss, 0)
+        if self.first:
+            return loss
+        # the others' copies count 0, selected (an inf/NaN copy x 0 would be NaN), in the
+        # graph so that every worker runs the adjoints
+        return loss.masked_fill(torch.ones((), dtype=torch.bool, device=loss.device), 0)

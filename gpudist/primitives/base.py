@@ -48,8 +48,8 @@ from ..transport.base import Group
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 # point-to-point tags of the host sums' trees and rings, a pair (forward, adjoint) per
 # primitive (halo exchanges use 1024 and up): an operator's messages do not meet another's
-# receive where ranks run operators in different orders (two primitives share a pair by
-# chance, 1 in 496)
+# receive where ranks run operators in different orders (primitives of one set of ranks
+# share a pair 496 apart; of two sets, by the chance of their offsets)
 _TAGS = range(32, 1024, 2)
 
 
@@ -215,8 +215,9 @@ class Primitive(torch.nn.Module):
         self.uid = world.next_uid(("primitive", self.participants))
         # (from what the participants agree on, checked at the first call through
         # ``config``: a count over every primitive built would differ where a rank builds
-        # one that the others do not, and their messages would never meet)
-        self.tag = _TAGS[stable_hash((self.participants, self.uid)) % len(_TAGS)]
+        # one that the others do not, and their messages would never meet; consecutive
+        # primitives of one set of participants get consecutive pairs)
+        self.tag = _TAGS[(stable_hash(self.participants) + self.uid) % len(_TAGS)]
         self.config = stable_hash((self.name, config, self.uid))
         # made once: every call names itself to the control plane with these
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"

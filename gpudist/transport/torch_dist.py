@@ -188,11 +188,13 @@ class TorchDistTransport(Transport):
         everyone = tuple(range(self.size))
         self.world_meta = dist.new_group(list(everyone), timeout=self._td, backend="gloo")
         self._groups[everyone] = Group(everyone, dist.group.WORLD, self.world_meta)
-        # gpudist's point-to-point messages (halo steps, trees, rings) on a group of their
-        # own: never matched by a user's own send or receive on the default group, and
-        # under gpudist's timeout even where the program made that group itself
-        self.p2p_group = dist.new_group(list(everyone), timeout=self._td) \
-            if self.size > 1 else None
+        # gloo: gpudist's point-to-point messages (halo steps, trees, rings) on a group of
+        # their own, never matched by a user's own send or receive with the same tag on
+        # the default group, and under gpudist's timeout even where the program made that
+        # group. NCCL ignores tags and would make another world-wide communicator at the
+        # group's first batch, which must then include every rank: the default group.
+        self.p2p_group = (dist.new_group(list(everyone), timeout=self._td)
+                          if self.size > 1 and self.backend == "gloo" else None)
 
     # -- helpers ------------------------------------------------------------
     def native(self, t: torch.Tensor) -> bool:
