@@ -397,6 +397,33 @@ def test_primitive_built_on_members_only(cluster, backend):
     assert res[0] == 6.0, res
 
 
+@pytest.mark.parametrize("limit", [32767, 2**21, 2**29 - 1, 2**31 - 1])
+def test_tag_pairs_fit_the_backend(limit):
+    """The trees' and rings' tag pairs lie below the backend's limit and apart from the
+    halo exchanges' (1024-29823)."""
+    from gpudist.primitives.base import tag_pairs
+
+    pairs = tag_pairs(limit)
+    assert pairs[-1] + 1 <= limit and pairs.step == 2
+    assert pairs[-1] + 1 < 1024 or pairs[0] > 29823
+    assert len(pairs) >= (496 if limit < 2**20 else 2**18)
+
+
+def _many_tags():
+    """1200 primitives on one set of ranks: distinct tag pairs (a forced collision 496
+    primitives apart gave a wrong sum before, fuzz round Y)."""
+    from gpudist.primitives import SumReduce
+
+    w = gpudist.world()
+    P, root = Partition.grid((w.size,)), Partition.root(1, 0)
+    tags = [SumReduce(P, root).tag for _ in range(1200)]
+    return len(set(tags)) == len(tags), max(tags) + 1 <= w.transport.tag_limit
+
+
+def test_many_primitives_have_distinct_tags(cluster, backend):
+    assert all(all(r) for r in cluster.run(2, _many_tags, backend=backend, timeout=120))
+
+
 def _users_own_messages():
     """gloo: the user's own send on the default group with the very tag of a sum's tree,
     posted first: gpudist's tree (on a group of its own) takes its own message, the user's

@@ -46,11 +46,18 @@ from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
 from ..transport.base import Group
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-# point-to-point tags of the host sums' trees and rings, a pair (forward, adjoint) per
-# primitive (halo exchanges use 1024 and up): an operator's messages do not meet another's
-# receive where ranks run operators in different orders (primitives of one set of ranks
-# share a pair 496 apart; of two sets, by the chance of their offsets)
-_TAGS = range(32, 1024, 2)
+
+
+def tag_pairs(limit: int) -> range:
+    """The point-to-point tags of the host sums' trees and rings, a pair (forward,
+    adjoint) per primitive, for a backend taking tags up to ``limit`` (halo exchanges use
+    1024-29823): an operator's messages do not meet another's receive where ranks run
+    operators in different orders. Primitives of one set of ranks share a pair only
+    ``len(range)`` primitives apart; of two sets, by the chance of their offsets (1 in
+    ``len``: 2^28 on MPICH and gloo, 496 where a backend takes only MPI's minimum)."""
+    if limit >= 1 << 20:
+        return range(1 << 15, min(limit, 1 << 30) - 2, 2)
+    return range(32, 1024, 2)
 
 
 def zero_volume(
@@ -217,7 +224,8 @@ class Primitive(torch.nn.Module):
         # ``config``: a count over every primitive built would differ where a rank builds
         # one that the others do not, and their messages would never meet; consecutive
         # primitives of one set of participants get consecutive pairs)
-        self.tag = _TAGS[(stable_hash(self.participants) + self.uid) % len(_TAGS)]
+        pairs = tag_pairs(world.transport.tag_limit)
+        self.tag = pairs[(stable_hash(self.participants) + self.uid) % len(pairs)]
         self.config = stable_hash((self.name, config, self.uid))
         # made once: every call names itself to the control plane with these
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"

@@ -168,6 +168,9 @@ class Transport(ABC):
     # NCCL's streams); where False, computing while a halo exchange is in flight gains
     # nothing (the layers then complete the exchange first, HaloExchange.overlap)
     progresses_alone: bool = True
+    # the largest message tag every rank's backend takes (MPI guarantees 32767; MPICH
+    # takes 2^29 - 1, torch's gloo any 32-bit one)
+    tag_limit: int = 32767
 
     # -- groups -------------------------------------------------------------
     _groups: dict

@@ -94,6 +94,7 @@ class MPITransport(Transport):
         # the world: one an aborted world left unreceived would otherwise fail MPI_Finalize
         # ("Communicator being freed has 1 unmatched message(s)": an MPI_Abort at exit)
         self.p2p_comm = self.comm.Dup()
+        self.tag_limit = self.comm.allreduce(int(self.comm.Get_attr(MPI.TAG_UB)), op=MPI.MIN)
         self._groups[everyone] = Group(everyone, self.comm, self.world_meta)
         self._types = {
             torch.float64: MPI.DOUBLE, torch.float32: MPI.FLOAT, torch.int64: MPI.INT64_T,

@@ -168,6 +168,8 @@ class _P2PWaiter:
 class TorchDistTransport(Transport):
     """``torch.distributed`` process group as a transport."""
 
+    tag_limit = 2**31 - 1
+
     def __init__(self, timeout: float, stage_all: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call gpudist.init()")
