@@ -128,6 +128,7 @@ class World:
     uids: dict = field(default_factory=dict)
     check_calls: bool = False  # GPUDIST_CHECK_CALLS: compare every call (meta.check_call)
     ranks_here: int = 1  # the world's ranks on this host (this one included)
+    cores_here: int = 0  # the cores they may run on together (0: not known; this rank's)
 
     @property
     def timeout(self) -> float:
@@ -295,7 +296,8 @@ def init(
     transport.control = control
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
-    _WORLD.check_calls, _WORLD.ranks_here = _start_exchange(_WORLD, check_calls)
+    _WORLD.check_calls, _WORLD.ranks_here, _WORLD.cores_here = _start_exchange(
+        _WORLD, check_calls)
     _choose_waits(_WORLD)
     if launch.size > 1:
         _install_excepthook()
@@ -303,19 +305,45 @@ def init(
     return _WORLD
 
 
-def _start_exchange(w: World, flag: bool) -> tuple[bool, int]:
-    """(whether ``flag`` is set on any rank, how many ranks run on this host): one
-    world-collective exchange at init, so that a setting read from one rank's environment
-    holds on every rank."""
+MASK_WORDS = 16  # the cores a rank may run on, as bits of 16 int64 words (cores 0-1023)
+
+
+def _affinity_words() -> list[int]:
+    """This process's CPU affinity as :data:`MASK_WORDS` words of bits (63 a word, so
+    that each is a non-negative int64)."""
+    words = [0] * MASK_WORDS
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        cpus = range(os.cpu_count() or 1)
+    for c in cpus:
+        if c < 63 * MASK_WORDS:
+            words[c // 63] |= 1 << (c % 63)
+    return words
+
+
+def _start_exchange(w: World, flag: bool) -> tuple[bool, int, int]:
+    """(whether ``flag`` is set on any rank, how many ranks run on this host, on how many
+    cores together): one world-collective exchange at init, so that a setting read from
+    one rank's environment holds on every rank. Ranks bound to a core each (srun
+    --cpu-bind=cores, Open MPI's default binding) see one core in their own affinity, but
+    the union of the host's ranks' affinities counts them all."""
     if w.size == 1:
-        return flag, 1
+        return flag, 1, _cores()
     tr = w.transport
     host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    out = torch.empty(2 * w.size, dtype=torch.int64)
-    tr.wait([tr.meta_all_gather(out, torch.tensor([int(flag), host]), tr.group(range(w.size)))],
+    k = 2 + MASK_WORDS
+    out = torch.empty(k * w.size, dtype=torch.int64)
+    row = torch.tensor([int(flag), host] + _affinity_words(), dtype=torch.int64)
+    tr.wait([tr.meta_all_gather(out, row, tr.group(range(w.size)))],
             "the settings exchange of gpudist.init")
-    rows = out.view(w.size, 2)
-    return bool(rows[:, 0].any()), int((rows[:, 1] == host).sum())
+    rows = out.view(w.size, k)
+    here = rows[:, 1] == host
+    union = [0] * MASK_WORDS
+    for r in rows[here].tolist():
+        union = [a | b for a, b in zip(union, r[2:])]
+    cores = sum(bin(x).count("1") for x in union)
+    return bool(rows[:, 0].any()), int(here.sum()), cores
 
 
 def _cores() -> int:
@@ -327,7 +355,8 @@ def _cores() -> int:
 
 
 def _choose_waits(w: World) -> None:
-    """How this rank waits, by whether this host's ranks fit its cores.
+    """How this rank waits, by whether this host's ranks fit the cores they may run on
+    together (the union of their affinities, :func:`_start_exchange`).
 
     A gloo collective (``GPUDIST_GLOO_WAIT``): ``block`` in torch's timed wait (wakes the
     moment gloo is done: fastest where each rank has a core of its own), ``nap`` between
@@ -337,7 +366,7 @@ def _choose_waits(w: World) -> None:
     A spinning wait (MPI) polls its first ``GPUDIST_HOT_SPIN_S`` (50 us) without yielding
     the core where the ranks fit (no peer of this host needs it; a small broadcast or
     all-reduce ends 0.6-2.5 us sooner), yielding from the start where they do not."""
-    fits = w.ranks_here <= _cores()
+    fits = w.ranks_here <= (getattr(w, "cores_here", 0) or _cores())
     mode = setting("GPUDIST_GLOO_WAIT", "auto")
     block = mode == "block" or (mode == "auto" and fits)
     if hasattr(w.transport, "block_collectives"):

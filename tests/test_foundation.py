@@ -299,6 +299,32 @@ def test_ranks_here_and_gloo_wait(cluster, n):
         assert block == (n <= _cores())
 
 
+def _bound_ranks():
+    """Each rank bound to core (rank mod cores), as srun --cpu-bind=cores binds them: the
+    start exchange counts the cores the host's ranks run on together, not this rank's."""
+    import os
+
+    from gpudist.runtime import _cores, _start_exchange
+
+    w = gpudist.world()
+    mine = os.sched_getaffinity(0)
+    cores = sorted(mine)
+    try:
+        os.sched_setaffinity(0, {cores[w.rank % len(cores)]})
+        _, here, together = _start_exchange(w, False)
+        alone = _cores()
+    finally:
+        os.sched_setaffinity(0, mine)
+    return here, together, alone, len(cores)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cores_of_bound_ranks(cluster, n):
+    for here, together, alone, cores in cluster.run(n, _bound_ranks):
+        assert here == n and alone == 1
+        assert together == min(n, cores)
+
+
 @pytest.mark.parametrize("mode,here,cores,want", [
     (None, 2, 2, True), (None, 3, 2, False), ("auto", 4, 16, True), ("block", 4, 2, True),
     ("nap", 1, 16, False), (" NAP ", 1, 16, False)])
