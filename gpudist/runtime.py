@@ -312,11 +312,7 @@ def _affinity_words() -> list[int]:
     """This process's CPU affinity as :data:`MASK_WORDS` words of bits (63 a word, so
     that each is a non-negative int64)."""
     words = [0] * MASK_WORDS
-    try:
-        cpus = os.sched_getaffinity(0)
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = range(os.cpu_count() or 1)
-    for c in cpus:
+    for c in _cpus():
         if c < 63 * MASK_WORDS:
             words[c // 63] |= 1 << (c % 63)
     return words
@@ -346,12 +342,17 @@ def _start_exchange(w: World, flag: bool) -> tuple[bool, int, int]:
     return bool(rows[:, 0].any()), int(here.sum()), cores
 
 
-def _cores() -> int:
+def _cpus() -> set[int] | range:
     """The cores this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        return range(os.cpu_count() or 1)
+
+
+def _cores() -> int:
+    """How many cores this process may run on."""
+    return len(_cpus())
 
 
 def _choose_waits(w: World) -> None:
@@ -366,7 +367,7 @@ def _choose_waits(w: World) -> None:
     A spinning wait (MPI) polls its first ``GPUDIST_HOT_SPIN_S`` (50 us) without yielding
     the core where the ranks fit (no peer of this host needs it; a small broadcast or
     all-reduce ends 0.6-2.5 us sooner), yielding from the start where they do not."""
-    fits = w.ranks_here <= (getattr(w, "cores_here", 0) or _cores())
+    fits = w.ranks_here <= (w.cores_here or _cores())
     mode = setting("GPUDIST_GLOO_WAIT", "auto")
     block = mode == "block" or (mode == "auto" and fits)
     if hasattr(w.transport, "block_collectives"):

@@ -340,11 +340,12 @@ def test_gloo_wait_choice(monkeypatch, mode, here, cores, want):
     else:
         monkeypatch.setenv("GPUDIST_GLOO_WAIT", mode)
     monkeypatch.setattr(runtime, "_cores", lambda: cores)
-    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(block_collectives=None),
-                        control=None)
+    w = SimpleNamespace(ranks_here=here, cores_here=0,
+                        transport=SimpleNamespace(block_collectives=None), control=None)
     runtime._choose_waits(w)
     assert w.transport.block_collectives is want
-    other = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(), control=None)
+    other = SimpleNamespace(ranks_here=here, cores_here=0, transport=SimpleNamespace(),
+                            control=None)
     runtime._choose_waits(other)
     assert not hasattr(other.transport, "block_collectives")
 
@@ -365,7 +366,7 @@ def test_hot_spin_choice(monkeypatch, env, here, cores, want):
     else:
         monkeypatch.setenv("GPUDIST_HOT_SPIN_S", env)
     monkeypatch.setattr(runtime, "_cores", lambda: cores)
-    w = SimpleNamespace(ranks_here=here, transport=SimpleNamespace(),
+    w = SimpleNamespace(ranks_here=here, cores_here=0, transport=SimpleNamespace(),
                         control=Control(None, 0, 1, 10.0))
     runtime._choose_waits(w)
     assert w.control.hot_spin_s == want

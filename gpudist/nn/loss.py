@@ -48,7 +48,8 @@ class _LossPlan:
     total: Plan
     count: int   # global elements (or targets) for "mean"
     batch: int   # global batch size for "batchmean"
-    spec: TensorSpec | None = None  # the input's (a class-split loss's plans are per spec)
+    spec: TensorSpec | None = None  # the input's, and the class-split sums' plans for it
+    split: tuple[Plan, Plan] | None = None
 
 
 class DistributedLoss(DistributedModule):
@@ -130,9 +131,8 @@ class DistributedLoss(DistributedModule):
         out = spec if not self.classwise or self.split is not None else TensorSpec(
             spec.partition.reshape(spec.partition.shape[:1] + spec.partition.shape[2:])
             if k > 1 else spec.partition, g[:1] + g[2:], spec.dtype, spec.device_type)
-        if self.split is not None:
-            self.split.plans(spec)
-        return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1, spec)
+        split = self.split.plans(spec) if self.split is not None else None
+        return _LossPlan(out, self.total.plan(tot), count, g[0] if g else 1, spec, split)
 
     @entry
     def forward(self, x: DistTensor | torch.Tensor, target) -> DistTensor | torch.Tensor:
@@ -164,7 +164,8 @@ class DistributedLoss(DistributedModule):
 
     def _reduced(self, x, t, opts, plan: _LossPlan) -> torch.Tensor:
         if self.split is not None and self.P_x.active:  # (every member joins its sums)
-            s = self.split.losses(x, t, plan.spec, opts).sum().to(x.dtype).reshape(())
+            s = self.split.losses(x, t, plan.spec, plan.split, opts).sum().to(
+                x.dtype).reshape(())
             d = self._denominator(x, t, opts) if self.split.first else x.new_zeros(())
         elif self.P_x.active and x.numel():
             s = self.fn(x, t, reduction="sum", **opts).reshape(())

@@ -31,7 +31,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..buffers import LRU
 from ..errors import ShapeError, raised_everywhere
 from ..partition import Partition
 from ..primitives import AllGather, AllSumReduce, Plan
@@ -96,7 +95,6 @@ class ClassSplit:
         self.gather = AllGather(P_x, 1, 1)  # world-collective, as every primitive
         self.sums = AllSumReduce(P_x, axes=(1,))
         self.first = P_x.active and P_x.coords[1] == 0
-        self._plans: LRU = LRU(P_x.world.cache_size)
 
     @staticmethod
     def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -106,29 +104,25 @@ class ClassSplit:
 
     def plans(self, spec: TensorSpec) -> tuple[Plan, Plan]:
         """The two primitives' plans for input ``spec`` (made at a call every rank checks:
-        the layer's first call on ``spec``)."""
-        got = self._plans.get(spec)
-        if got is None:
-            g, k, dt = spec.global_shape, self.P_x.shape[1], self.work_dtype(spec.dtype)
-            w = self.options.get("weight")
-            if w is not None and w.numel() != g[1]:
-                raise raised_everywhere(ShapeError(
-                    f"{self.fn.__name__}: weight has {w.numel()} entries for {g[1]} "
-                    f"classes (one per class)"))
-            rows = (g[0], _ROWS * k) + tuple(g[2:])
-            standard = tuple(range(len(g)))
-            part = (0, PARTIAL) + standard[2:]
-            gather = TensorSpec(self.P_x, rows, dt, spec.device_type, standard)
-            summed = TensorSpec(self.P_x, (g[0], _ROWS) + tuple(g[2:]), dt,
-                                spec.device_type, part)
-            got = self._plans.get_or_make(
-                spec, lambda: (self.gather.plan(gather), self.sums.plan(summed)))
-        return got
+        the layer's first call on ``spec``; the layer keeps them in its plan)."""
+        g, k, dt = spec.global_shape, self.P_x.shape[1], self.work_dtype(spec.dtype)
+        w = self.options.get("weight")
+        if w is not None and w.numel() != g[1]:
+            raise raised_everywhere(ShapeError(
+                f"{self.fn.__name__}: weight has {w.numel()} entries for {g[1]} classes "
+                f"(one per class)"))
+        standard = tuple(range(len(g)))
+        gather = TensorSpec(self.P_x, (g[0], _ROWS * k) + tuple(g[2:]), dt,
+                            spec.device_type, standard)
+        summed = TensorSpec(self.P_x, (g[0], _ROWS) + tuple(g[2:]), dt, spec.device_type,
+                            (0, PARTIAL) + standard[2:])
+        return self.gather.plan(gather), self.sums.plan(summed)
 
-    def losses(self, x: torch.Tensor, t: torch.Tensor, spec: TensorSpec, opts: dict
-               ) -> torch.Tensor:
-        """Each sample's loss (shape ``x`` without dim 1), in the work dtype."""
-        gplan, splan = self.plans(spec)
+    def losses(self, x: torch.Tensor, t: torch.Tensor, spec: TensorSpec,
+               plans: tuple[Plan, Plan], opts: dict) -> torch.Tensor:
+        """Each sample's loss (shape ``x`` without dim 1), in the work dtype; ``plans``:
+        :meth:`plans` of ``spec``."""
+        gplan, splan = plans
         wd = self.work_dtype(x.dtype)
         x = x.to(wd)
         C, c0, n = spec.global_shape[1], spec.local_start[1], x.shape[1]

@@ -24,7 +24,7 @@ from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ..transport.base import P2P, Group
 from .base import Plan, Primitive, opaque_spec, zero_volume
-from .ring import HALF as _HALF
+from .ring import torch_sums
 
 
 @dataclass
@@ -106,7 +106,7 @@ class FanPlan:
         Host tensors: a binomial tree of point-to-point messages over each fan (tagged
         ``tag``: the operator's own), summed by torch (:meth:`_tree_sum`); device tensors
         and half types (which MPI sums in float32): the backend's reduce."""
-        if not x.is_cuda and x.dtype not in _HALF:
+        if torch_sums(x):
             return self._tree_sum(x, out, buffer, tag)
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many

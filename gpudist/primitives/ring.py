@@ -24,12 +24,18 @@ import torch
 from ..transport.base import P2P, Group, Transport
 
 RING_MIN_BYTES = 8 << 20  # smaller sums go to the backend's collective
-HALF = (torch.float16, torch.bfloat16)  # summed by the backend (MPI: in float32)
+_HALF = (torch.float16, torch.bfloat16)  # summed by the backend (MPI: in float32)
+
+
+def torch_sums(x: torch.Tensor) -> bool:
+    """Whether host sums of ``x`` may run in torch's adds (the trees', the rings'): host
+    memory, not a half type (those the backend sums: MPI in float32)."""
+    return not x.is_cuda and x.dtype not in _HALF
 
 
 def _rings(x: torch.Tensor, group: Group | None) -> bool:
-    return (group is not None and group.size > 1 and not x.is_cuda
-            and x.nbytes >= RING_MIN_BYTES and x.dtype not in HALF)
+    return (group is not None and group.size > 1 and x.nbytes >= RING_MIN_BYTES
+            and torch_sums(x))
 
 
 def _chunks(n: int, k: int) -> list[slice]:
