@@ -39,7 +39,7 @@ class BufferPool:
 
     def __init__(self, per_key: int = 2, max_keys: int = 32) -> None:
         self.per_key, self.max_keys = per_key, max_keys
-        self._bufs: OrderedDict[tuple, list[tuple[torch.Tensor, int]]] = OrderedDict()
+        self._bufs: OrderedDict[tuple, list[tuple[torch.Tensor, int, int]]] = OrderedDict()
         self.allocations = 0
 
     def get(self, name: object, shape: Sequence[int], dtype: torch.dtype,
@@ -58,16 +58,17 @@ class BufferPool:
         else:
             self._bufs.move_to_end(key)
         if _use_count is not None:
-            for base, refs in slot:  # (_refs inlined: this runs per call)
-                if _use_count(base.untyped_storage()._cdata) == refs:  # only the pool
-                    return base.detach()  # holds it: a new tensor object on its storage
-                    # (not a view for autograd; ten times cheaper than set_)
+            for base, refs, storage in slot:  # (_refs inlined: this runs per call)
+                if _use_count(storage) == refs:  # only the pool holds it: a new tensor
+                    return base.detach()  # object on its storage (not a view for
+                    # autograd; ten times cheaper than set_)
         t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
         self.allocations += 1
         if init is not None:
             init(t)
         if _use_count is not None and len(slot) < self.per_key:
-            slot.append((t, _refs(t)))
+            # (its storage's address, for the count: the pool's tensor keeps it alive)
+            slot.append((t, _refs(t), t.untyped_storage()._cdata))
             return t.detach()
         return t
 
@@ -75,7 +76,7 @@ class BufferPool:
         self._bufs.clear()
 
     def nbytes(self) -> int:
-        return nbytes(b for s in self._bufs.values() for b, _ in s)
+        return nbytes(b for s in self._bufs.values() for b, _, _ in s)
 
 
 def alias(base: torch.Tensor, offset: int, shape: Sequence[int], stride: Sequence[int]

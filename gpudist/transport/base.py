@@ -48,9 +48,11 @@ class Group:
     def index(self, world_rank: int) -> int:
         return self.ranks.index(world_rank)
 
-    def doing(self, what: str) -> Label:
-        """The label "<what> over [ranks]" of an operation on this group, as a function:
-        formatted only if a wait turns slow or fails."""
+    def doing(self, what: str, rank: int | None = None) -> Label:
+        """The label "<what> [rank] over [ranks]" of an operation on this group, as a
+        function: formatted only if a wait turns slow or fails."""
+        if rank is not None:
+            return lambda: f"{what} {rank} over {list(self.ranks)}"
         return lambda: f"{what} over {list(self.ranks)}"
 
 

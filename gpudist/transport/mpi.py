@@ -223,7 +223,7 @@ class MPITransport(Transport):
         return P2PProgram(self, ops)
 
     def broadcast(self, tensor, src, group):
-        what = group.doing(f"broadcast from {src}")
+        what = group.doing("broadcast from", src)
         key = ("bcast", group.ranks, src)
         if self.rank == src:
             buf, s = self._src(key, tensor)
@@ -234,7 +234,7 @@ class MPITransport(Transport):
         return self._work(req, what, s, tensor)
 
     def reduce(self, tensor, dst, group):
-        what = group.doing(f"reduce to {dst}")
+        what = group.doing("reduce to", dst)
         key = ("reduce", group.ranks, dst)
         root = group.index(dst)
         buf, s = self._src(key, tensor, typed=True)

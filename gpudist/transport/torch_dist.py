@@ -300,13 +300,13 @@ class TorchDistTransport(Transport):
         key, root = ("bcast", group.ranks, src), self.rank == src
         s = self._in(key, tensor) if root else self._out(key, tensor)  # (nothing to stage in)
         w = dist.broadcast(s, src, group=group.handle, async_op=True)
-        return self._coll(w, group.doing(f"broadcast from {src}"), s, None if root else tensor)
+        return self._coll(w, group.doing("broadcast from", src), s, None if root else tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
         w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         back = tensor if self.rank == dst else None
-        return self._coll(w, group.doing(f"reduce to {dst}"), s, back)
+        return self._coll(w, group.doing("reduce to", dst), s, back)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group,
                    src: torch.Tensor | None = None) -> Work:
