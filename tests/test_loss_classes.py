@@ -135,6 +135,28 @@ def _target_out_of_range():
                                              torch.tensor([0, 1, 6, 3]))
 
 
+def _empty_block_wrong_target(samples: bool):
+    """P (1, 3): with 2 classes rank 2's block holds none (or, with 0 samples, every block
+    is empty); its target has the wrong length (fuzz-found: a raw torch error on that rank
+    alone, the others aborted)."""
+    w = gpudist.world()
+    P = Partition.grid((1, 3))
+    if samples:
+        g, x = (0, 3), torch.randn(0, 1, dtype=torch.float64)
+        t = torch.tensor([0]) if w.rank == 2 else torch.zeros(0, dtype=torch.int64)
+    else:
+        g, x = (4, 2), torch.randn(4, 1 if w.rank < 2 else 0, dtype=torch.float64)
+        t = torch.tensor([0, 1, 1, 0] if w.rank < 2 else [0, 1, 1, 0, 1])
+    gnn.DistributedLoss(P, "cross_entropy")(DistTensor.from_local(x, P, g), t)
+
+
+@pytest.mark.parametrize("samples", [False, True], ids=["no-classes", "no-samples"])
+def test_class_split_loss_empty_block_checks_its_target(cluster, samples):
+    errs = cluster.run(3, _empty_block_wrong_target, samples, expect_error=True)
+    assert all(e is not None and e.type == "ShapeError" and "rank(s) [2]" in e.message
+               for e in errs), errs
+
+
 def _none_reduction():
     gnn.DistributedLoss(Partition.grid((1, 2)), "cross_entropy", "none")
 
@@ -184,6 +206,38 @@ def _edge_values():
         value = _same(loss.detach(), L.detach()) if P.coords[1] == 0 else float(loss) == 0
         out.append((value, _same(x.grad, Xs.grad[sl])))
     return out
+
+
+def _zero_total_weight(pshape):
+    """Every counted target's class weight is 0 (fuzz-found: with label smoothing the mean
+    was inf, torch's is NaN, 0/0): the loss and the gradient as torch's, NaN included."""
+    from gpudist import Decomposition
+
+    P = Partition.grid(pshape)
+    X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    T = torch.tensor([1, 0, 1, 0])
+    out = []
+    for ls in (0.0, 0.1):
+        opts = dict(weight=torch.tensor([0.85, 0.0, 1.0, 1.0], dtype=torch.float64),
+                    ignore_index=0, label_smoothing=ls)
+        sl = Decomposition(tuple(X.shape), P.shape).global_slices(P.coords)
+        x = X[sl].clone().requires_grad_(True)
+        loss = gnn.DistributedLoss(P, "cross_entropy", **opts)(
+            DistTensor.from_local(x, P, tuple(X.shape)), T[sl[0]])
+        loss.backward()
+        Xs = X.clone().requires_grad_(True)
+        L = F.cross_entropy(Xs, T, **opts)
+        L.backward()
+        root = P.coords == (0, 0)
+        out.append((bool(L.isnan()), _same(loss.detach(), L.detach()) if root else True,
+                    _same(x.grad, Xs.grad[sl])))
+    return out
+
+
+@pytest.mark.parametrize("pshape", [(1, 2), (2, 1)], ids=["classes-split", "samples-split"])
+def test_loss_mean_of_zero_total_weight_is_nan(cluster, pshape):
+    for got in cluster.run(2, _zero_total_weight, pshape):
+        assert all(all(case) for case in got), got
 
 
 def test_class_split_loss_edge_values(cluster):

@@ -180,7 +180,10 @@ class DistributedLoss(DistributedModule):
             return v[0]
         if self.reduction == "batchmean":
             return v[0] / plan.batch
-        return v[0] / v[1].detach()
+        # a divisor of 0 (no target counts, or their class weights sum to 0) gives NaN, as
+        # torch's 0/0 does, also where label smoothing made the sum non-zero
+        d = v[1].detach()
+        return v[0] / d.masked_fill(d == 0, math.nan)
 
     def _target_problem(self, target, t, spec: TensorSpec) -> str | None:
         """What is wrong with the target, or None. It must be this worker's block of a
@@ -220,8 +223,9 @@ class DistributedLoss(DistributedModule):
         if (self.classwise and self.options.get("ignore_index", -100) >= 0 and t.numel()
                 and t.is_floating_point()):  # torch's ValueError (ShapeError is one)
             return f"{self.name}: ignore_index is not supported for floating point target"
-        if not self.named or math.prod(block) == 0:
-            return None  # empty blocks may come with any target (they hold nothing)
+        if not self.named or (math.prod(block) == 0 and self.split is None):
+            return None  # empty blocks may come with any target (they hold nothing; with
+            # the classes split, a block of no classes still reads its samples' targets)
         want = block
         if self.classwise and not t.dtype.is_floating_point:
             if t.dtype != torch.int64:  # torch's kernels take int64 class indices only
