@@ -126,6 +126,10 @@ def _fork_main(rank: int, size: int, store_path: str, conn: Connection, backend:
         store = dist.FileStore(store_path, size)
         gpudist.init(backend=backend, device=device, rank=rank, world_size=size, store=store,
                      timeout=timeout)
+        # tasks come once every rank is past init: a task failing on one rank must not
+        # abort a peer still in init (seen in CI: rank 0 died of rank 1's task error in
+        # init's settings exchange)
+        conn.send("ready")
         serve(conn)
     except BaseException:
         traceback.print_exc()
@@ -178,6 +182,7 @@ class RankPool:
         if not self.conns:
             raise RankFailure("the rank pool is closed")
         self._check_sendable(fn)
+        self._await_ready(timeout)
         for c in self.conns:
             c.send((fn, args, kwargs))
         results: list = [None] * self.size
@@ -229,6 +234,9 @@ class RankPool:
         """Functions go to the ranks by name; a pool whose ranks are not forks of this
         process finds them only in an importable module."""
 
+    def _await_ready(self, timeout: float) -> None:
+        """Wait (once) until every rank has started its world."""
+
 
 class ForkPool(RankPool):
     """N ranks forked (or spawned) here, joined by gloo (or NCCL) through a FileStore."""
@@ -250,6 +258,28 @@ class ForkPool(RankPool):
             b.close()
             self.procs.append(p)
             self.conns.append(a)
+        self._ready = False
+
+    def _await_ready(self, timeout: float) -> None:
+        if self._ready:
+            return
+        deadline = time.monotonic() + timeout
+        pending = {c: i for i, c in enumerate(self.conns)}
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close(kill=True)
+                raise TimeoutError(f"ranks {sorted(pending.values())} did not start their "
+                                   f"world (gpudist.init) within {timeout}s (pool killed)")
+            for c in ready:
+                i = pending.pop(c)
+                try:
+                    c.recv()
+                except (EOFError, OSError):
+                    self.close(kill=True)
+                    raise RankFailure(f"rank {i} died starting its world (gpudist.init)"
+                                      ) from None
+        self._ready = True
 
     @property
     def pids(self) -> list[int]:

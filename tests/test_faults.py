@@ -789,6 +789,39 @@ def test_mpi_pool_refuses_functions_of_main(cluster):
     assert cluster.run(2, _answer, backend="mpi") == [42, 42]
 
 
+def _fail_on_rank_1():
+    if gpudist.world().rank == 1:
+        raise ValueError("rank 1's task failed at once")
+    return gpudist.world().rank
+
+
+def test_fork_pool_starts_tasks_after_every_rank_is_initialized(monkeypatch):
+    """A task that fails at once on one rank of a fresh pool never reaches a peer still in
+    ``gpudist.init`` (seen in CI: rank 1's error aborted rank 0 inside init's settings
+    exchange, and rank 0 died instead of reporting). Rank 0's init is made slow and ends
+    with a look for an abort, as init's last exchange does."""
+    from gpudist import launch
+
+    real_init = gpudist.init
+
+    def slow_init(*args, **kwargs):
+        w = real_init(*args, **kwargs)
+        if w.rank == 0:
+            time.sleep(1.0)  # rank 1 is past init by now
+            w.control.poll_abort("the end of init")
+        return w
+
+    monkeypatch.setattr(gpudist, "init", slow_init)  # forked ranks inherit it
+    pool = launch.ForkPool(2)
+    try:
+        errs = pool.run(_fail_on_rank_1, expect_error=True)
+        assert errs[1].type == "ValueError" and "failed at once" in errs[1].message, errs
+        # rank 0 ran its task (no gpudist call in it, so nothing to fail) instead of dying
+        assert errs[0] is None or "rank 1 failed with ValueError" in errs[0].message, errs
+    finally:
+        pool.close(kill=True)
+
+
 def test_cuda_ranks_are_spawned(monkeypatch):
     """Ranks that use CUDA are spawned, never forked: a parent that merely asked
     ``torch.cuda.is_available()`` cannot fork CUDA children (the GPU bench did, and every
