@@ -173,6 +173,46 @@ def test_local_op_failing_while_halos_are_in_flight(cluster, backend, backward):
     assert secs < FAST, secs
 
 
+def _blocked_in_a_tree(case):
+    """Rank 0 blocks in a sum tree's receive (gloo: a point-to-point wait on the calling
+    thread) while rank 1, alive, never sends: it posts a failure at 0.5 s ("fails"), or
+    stays silent past rank 0's 2 s timeout ("silent"), and returns at 3.5 s. The
+    transport's watch must end rank 0's wait then, not at rank 1's exit."""
+    from gpudist.primitives import SumReduce
+
+    w = gpudist.world()
+    S = SumReduce(Partition.grid((2,)), Partition.root(1, 0))
+    x = DistTensor(torch.ones(3), S.derive(torch.ones(3)))
+    S(x)  # checked once: the repeat goes straight to the tree
+    if w.rank == 1:
+        time.sleep(0.5)
+        if case == "fails":
+            w.control.abort(ValueError("rank 1 failed"), "its own work")
+        time.sleep(3.0)
+        return None
+    w.control.timeout = 2.0  # this rank's wait only (the pools' is 60 s)
+    t0 = time.monotonic()
+    try:
+        S(x)
+    except gpudist.GpudistError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        w.control.timeout = 60.0
+    return None
+
+
+@pytest.mark.parametrize("case", ["fails", "silent"])
+def test_point_to_point_wait_ended_by_its_watch(cluster, case):
+    (kind, text, waited), _ = cluster.run(2, _blocked_in_a_tree, case, timeout=120)
+    if case == "fails":
+        assert kind == "RemoteError" and "rank 1 failed with ValueError" in text, text
+        assert waited < 2.5, waited  # not at rank 1's exit (3.5 s)
+    else:
+        assert kind == "CommTimeout" and "rank 1" in text and "2.0s" in text, text
+        assert 2.0 <= waited < 3.3, waited
+    cluster.discard(2)
+
+
 def _catch_and_go_on():
     """Rank 1 catches its gpudist error and carries on: its next call fails at once (the
     world is aborted), and its peers are told who failed."""

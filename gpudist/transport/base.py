@@ -332,9 +332,9 @@ class Transport(ABC):
         """Release backend resources."""
 
     def release_in_flight(self) -> None:  # noqa: B027 - optional hook
-        """An aborted world's exit: end what a helper thread still waits for (gloo's
-        point-to-point), so that no wait returns into Python during the interpreter's
-        teardown."""
+        """An aborted world's exit: end the operations still open (gloo's point-to-point:
+        close their connections), so that peers blocked in the matching waits wake now,
+        and no wait returns into Python during the interpreter's teardown."""
 
     def abandon(self) -> None:  # noqa: B027 - optional hook
         """Leave the backend as it is for an exit after an error: a backend whose teardown

@@ -5,9 +5,10 @@ timed wait, in slices between the control plane's checks (the thread sleeps with
 GIL and wakes when gloo is done); where ranks outnumber cores it naps between polls
 instead (``block_collectives``, set by :func:`gpudist.runtime.init`). NCCL's collectives
 are polled (``Work.is_completed``). gloo's point-to-point works cannot be polled (and a
-timed-out gloo wait closes the connection), so a helper thread blocks in them while the
-caller polls an event. Metadata goes over a second communicator per group (gloo, on the
-CPU, also in NCCL worlds).
+timed-out gloo wait closes the connection), so the caller blocks in them directly while a
+watch thread minds a wait that lasts (:class:`_P2PWatch`: a peer's failure, diagnostics,
+the timeout; it ends the wait by closing its connections). Metadata goes over a second
+communicator per group (gloo, on the CPU, also in NCCL worlds).
 
 Staging: gloo cannot take CUDA tensors (point-to-point) and NCCL only takes them; a tensor
 on the other kind of device goes through a :class:`~gpudist.transport.base.Staging`
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from ..control import Label, label_text
 from ..envvars import setting
-from ..errors import CommTimeout, DeviceError
+from ..errors import CommTimeout, DeviceError, GpudistError
 from .base import P2P, Group, Staging, Transport, Work, p2p_label
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single.
@@ -83,8 +84,8 @@ def _timed_wait(w) -> Callable[[float], None]:
     collective; polling ``is_completed`` with naps woke 80-100 us late on a 64 KiB
     broadcast, and spinning starved gloo's own threads. A timed-out wait leaves a gloo
     collective as it was (unlike a point-to-point one, whose timed-out wait closes the
-    connection: those block in a helper thread). A failed collective ends the wait too;
-    ``finish`` raises its error."""
+    connection: those are waited for directly, see :class:`_P2PWatch`). A failed
+    collective ends the wait too; ``finish`` raises its error."""
     def block(s: float) -> None:
         try:
             w.wait(timeout=_SLICE if s == 0.01 else datetime.timedelta(seconds=s))
@@ -97,65 +98,97 @@ def _timed_wait(w) -> Callable[[float], None]:
 
 
 class _Pending:
-    __slots__ = ("works", "event", "error")
+    """One batch of gloo point-to-point works, from its post until its wait ends."""
 
-    def __init__(self, works) -> None:
-        self.works, self.event, self.error = works, threading.Event(), None
+    __slots__ = ("works", "what", "event", "error", "t0")
+
+    def __init__(self, works, what: Label) -> None:
+        self.works, self.what, self.event, self.error, self.t0 = (
+            works, what, threading.Event(), None, 0.0)
 
 
-class _P2PWaiter:
-    """A daemon thread blocking in gloo point-to-point waits so the caller can poll."""
+class _P2PWatch:
+    """gloo's point-to-point works complete only inside ``wait()``, and a timed-out wait
+    closes the connection, so they cannot be polled: the caller blocks in them directly
+    (waking the moment gloo is done, as a raw ``irecv().wait()`` does). Meanwhile this
+    daemon thread does what the control plane's wait loop would: for a wait still open
+    ``grace`` seconds after it began, it runs :meth:`Control.wait` on the caller's behalf
+    (a peer's posted failure, mismatch diagnostics, the timeout). If that raises, the
+    error is handed to the caller and the waits are *cut*: a timed wait on each from this
+    thread times out and closes its connection, which ends the caller's wait (and the
+    peer's) with an error. A fast wait costs this thread one wake-up per ``grace``, off
+    the caller's path (waited in a helper thread instead, a 64 KiB swap took 242 against
+    185 us: two thread hand-offs a step)."""
 
-    def __init__(self) -> None:
+    grace = 0.005  # the control plane's first look for a posted failure (ABORT_FIRST_CHECK_S)
+
+    def __init__(self, control_of: Callable[[], object]) -> None:
+        self.control_of = control_of  # the world's Control, once gpudist.init has set it
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
-        self.open: set[_Pending] = set()  # submitted, not yet waited out
+        self.open: set[_Pending] = set()  # posted, not yet waited out
 
-    def submit(self, works) -> _Pending:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="gpudist-p2p-wait",
-                                           daemon=True)
-            self.thread.start()
-        p = _Pending(works)
+    def post(self, works, what: Label) -> _Pending:
+        p = _Pending(works, what)
         self.open.add(p)
-        self.q.put(p)
         return p
 
-    def cut(self, within: float = 2.0) -> None:
-        """End the waits still open (an aborted world's: their peers will never match
-        them). A timed wait on each here times out and closes its connection ("pair
-        closure"), which wakes the thread's wait (and the peer's) with an error; then wait
-        up to ``within`` seconds for the thread to see it. Left blocked, the thread wakes
-        when a peer exits: if this interpreter's teardown has begun by then, taking the GIL
-        ends the thread inside a C++ destructor ("terminate called without an active
-        exception", SIGABRT at exit; a fuzz found it in 3 of 4 runs of a mismatch caught
-        during a ring)."""
-        brief = datetime.timedelta(milliseconds=1)
-        for p in list(self.open):
-            for w in p.works or ():
-                try:
-                    w.wait(timeout=brief)
-                except Exception:  # noqa: BLE001 - timed out (the point) or failed
-                    pass
-        deadline = time.monotonic() + within
-        for p in list(self.open):
-            p.event.wait(max(0.0, deadline - time.monotonic()))
+    def wait(self, p: _Pending) -> None:
+        """Block until ``p``'s works are done, failed, or cut (then ``p.error`` says why)."""
+        if p.event.is_set():
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="gpudist-p2p-watch",
+                                           daemon=True)
+            self.thread.start()
+        p.t0 = time.monotonic()
+        self.q.put(p)
+        w = None
+        try:
+            for w in p.works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - finish raises it (or the cut's cause)
+            if p.error is None:
+                p.error = e
+        # hold no backend work past its wait (the group may go next), nor the label's
+        # tensors (the queue may hold ``p`` a while: a buffer still held is not reused)
+        p.works = p.what = w = None
+        self.open.discard(p)
+        p.event.set()
 
     def _run(self) -> None:
         while True:
             p = self.q.get()
             if p is None:
                 return
-            w = None
+            if not p.event.is_set():
+                time.sleep(max(0.0, p.t0 + self.grace - time.monotonic()))
+            control, what = self.control_of(), p.what
+            if p.event.is_set() or control is None or what is None:
+                p = what = None
+                continue
             try:
-                for w in p.works:
-                    w.wait()
-            except BaseException as e:  # handed to the caller
+                control.wait(p.event.is_set, what, block=p.event.wait)
+            except BaseException as e:  # noqa: BLE001 - the caller's, with its waits cut
                 p.error = e
-            p.works = w = None  # hold no backend work past its wait (the group may go next)
-            self.open.discard(p)
-            p.event.set()
-            p = None
+                self._cut(p)
+            p = what = None
+
+    @staticmethod
+    def _cut(p: _Pending) -> None:
+        brief = datetime.timedelta(milliseconds=1)
+        for w in p.works or ():
+            try:
+                w.wait(timeout=brief)
+            except Exception:  # noqa: BLE001 - timed out (the point) or failed
+                pass
+
+    def cut(self) -> None:
+        """An aborted world's exit: close the connections of the works still open (their
+        peers, blocked in the matching waits, wake with an error instead of waiting for
+        this process to exit)."""
+        for p in list(self.open):
+            self._cut(p)
 
     def stop(self) -> None:
         """End the thread and wait for it, so no backend object outlives the group here."""
@@ -181,7 +214,7 @@ class TorchDistTransport(Transport):
         self.stage_all = stage_all and self.backend != "nccl"
         self.staging = Staging()
         self._groups: dict[tuple[int, ...], Group] = {}
-        self._waiter = _P2PWaiter()
+        self._watch = _P2PWatch(lambda: self.control)
         # a gloo collective's wait: torch's timed wait, or naps between polls (set by
         # gpudist.init from GPUDIST_GLOO_WAIT and how many ranks share this host's cores)
         self.block_collectives = False
@@ -284,14 +317,19 @@ class TorchDistTransport(Transport):
                 copy_back()
 
             return [Work(what, lambda: all(w.is_completed() for w in works), finish)]
-        pending = self._waiter.submit(works)
+        watch = self._watch
+        pending = watch.post(works, what)
 
         def finish_gloo() -> None:
-            if pending.error is not None:
-                raise _backend_error(pending.error, what, self.control) from pending.error
+            e = pending.error
+            if e is not None:  # the backend's failure, or the watch's error (its cause)
+                if isinstance(e, RuntimeError) and not isinstance(e, GpudistError):
+                    raise _backend_error(e, what, self.control) from e
+                raise e
             copy_back()
 
-        return [Work(what, pending.event.is_set, finish_gloo, block=pending.event.wait)]
+        return [Work(what, pending.event.is_set, finish_gloo,
+                     block=lambda _s: watch.wait(pending))]
 
     # A staged result is copied back only where the collective writes one: the root of a
     # broadcast and the senders of a reduce leave ``tensor`` untouched (a copy back would
@@ -363,11 +401,11 @@ class TorchDistTransport(Transport):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
     def release_in_flight(self) -> None:
-        """An aborted world's exit: end the point-to-point waits left open
-        (:meth:`_P2PWaiter.cut`) while the interpreter still runs."""
-        self._waiter.cut()
+        """An aborted world's exit: close the connections of the point-to-point works left
+        open (:meth:`_P2PWatch.cut`)."""
+        self._watch.cut()
 
     def finalize(self) -> None:
-        self._waiter.stop()
+        self._watch.stop()
         self._groups.clear()
         self.staging.clear()
