@@ -455,6 +455,8 @@ class Control:
         return theirs.get(op.group, 0) < op.seq and st.get("waited", 0) >= self.diag_after
 
     def _mismatch(self, what: str, text: str) -> None:
+        self.poll_abort(what)  # a failure posted first wins (a peer whose task failed
+        # still publishes its counts: read as "finished", they would name a wrong cause)
         err = MismatchError(
             f"{text} (programs that differ between ranks: a layer or partition skipped or "
             f"added on some ranks, or an input whose shape, spec, dtype or requires_grad "

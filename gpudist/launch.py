@@ -95,8 +95,9 @@ def serve(conn: Connection) -> None:
         except BaseException as e:  # report everything, keep serving
             out = ("err", RankError(type(e).__name__, str(e), traceback.format_exc()))
         w = gpudist.runtime._WORLD
-        if w is not None and w.control.task == task:  # peers waiting for this rank in
-            w.control.task_done()  # the task are told it will not come
+        if w is not None and w.control.task == task and w.control.aborted is None:
+            w.control.task_done()  # peers waiting for this rank in the task are told it
+            # will not come (an aborted world has told them already, with the cause)
         alive = w is not None and w.control.aborted is None
         try:
             conn.send((*out, alive))

@@ -26,7 +26,7 @@ import torch
 
 from .control import HOT_SPIN_S, Control
 from .envvars import check_all, setting
-from .errors import GpudistError, LaunchError
+from .errors import DeviceError, GpudistError, LaunchError
 from .transport.base import Transport
 
 
@@ -189,6 +189,10 @@ def reset() -> None:
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
     if device is not None and str(device) != "auto":
         d = torch.device(device)
+        if d.type == "cuda" and not torch.cuda.is_available():
+            raise DeviceError(f"gpudist.init(device={str(device)!r}): no CUDA GPU is usable "
+                              f"here (torch {torch.__version__}, built with CUDA "
+                              f"{torch.version.cuda}); use device='cpu' or 'auto'")
         if d.type == "cuda" and d.index is None:
             d = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
         return d
@@ -253,47 +257,54 @@ def init(
 
     if rank is not None:
         launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
-    dev = _pick_device(device, launch.local_rank)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if backend == "auto":
-        if dev.type == "cuda" and launch.size > 1:
-            backend = "nccl"
-        elif launch.launcher == "mpi" and launch.master_addr is None and _mpi_available():
-            backend = "mpi"
+    mpi_job = launch.launcher == "mpi" and launch.size > 1 and rank is None
+    try:  # until the control plane exists, a failure on some ranks of an mpiexec job
+        # leaves the others in MPI's start-up or the rendezvous, with no timeout: end it
+        dev = _pick_device(device, launch.local_rank)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        if backend == "auto":
+            if dev.type == "cuda" and launch.size > 1:
+                backend = "nccl"
+            elif launch.launcher == "mpi" and launch.master_addr is None and _mpi_available():
+                backend = "mpi"
+            else:
+                backend = "gloo"
+
+        if backend == "mpi":
+            from .transport.mpi import MPITransport
+
+            transport: Transport = MPITransport(timeout=timeout)
+            if transport.size != launch.size and launch.launcher != "none":
+                raise LaunchError(
+                    f"MPI world has {transport.size} ranks but the launcher said {launch.size}"
+                )
+            launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
+                               launch.local_rank, None, None)
+            control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
         else:
-            backend = "gloo"
+            from .transport.torch_dist import TorchDistTransport, backend_timeout
 
-    if backend == "mpi":
-        from .transport.mpi import MPITransport
-
-        transport: Transport = MPITransport(timeout=timeout)
-        if transport.size != launch.size and launch.launcher != "none":
-            raise LaunchError(
-                f"MPI world has {transport.size} ranks but the launcher said {launch.size}"
-            )
-        launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
-                           launch.local_rank, None, None)
-        control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
-    else:
-        from .transport.torch_dist import TorchDistTransport, backend_timeout
-
-        td = datetime.timedelta(seconds=timeout)
-        if dist.is_initialized():  # the program joined already: reuse its store
-            launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
-                               launch.local_rank, launch.master_addr, launch.master_port)
-            store = store or _default_store()
-        elif store is None:
-            store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
-        if not dist.is_initialized():
-            dist.init_process_group(backend, store=store, rank=launch.rank,
-                                    world_size=launch.size, timeout=backend_timeout(timeout))
-        transport = TorchDistTransport(timeout=timeout)
-        control_store = (dist.PrefixStore("gpudist", store)
-                         if launch.size > 1 and store is not None else None)
-    control = Control(control_store, launch.rank, launch.size, timeout)
-    control.register_process()
-    transport.control = control
+            td = datetime.timedelta(seconds=timeout)
+            if dist.is_initialized():  # the program joined already: reuse its store
+                launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
+                                   launch.local_rank, launch.master_addr, launch.master_port)
+                store = store or _default_store()
+            elif store is None:
+                store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
+            if not dist.is_initialized():
+                dist.init_process_group(backend, store=store, rank=launch.rank,
+                                        world_size=launch.size, timeout=backend_timeout(timeout))
+            transport = TorchDistTransport(timeout=timeout)
+            control_store = (dist.PrefixStore("gpudist", store)
+                             if launch.size > 1 and store is not None else None)
+        control = Control(control_store, launch.rank, launch.size, timeout)
+        control.register_process()
+        transport.control = control
+    except Exception as e:
+        if mpi_job:
+            _abort_mpi_job(e)
+        raise
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
     _WORLD.check_calls, _WORLD.ranks_here, _WORLD.cores_here = _start_exchange(
@@ -377,8 +388,9 @@ def _choose_waits(w: World) -> None:
 
 
 def _abort_mpi_job(err: Exception) -> None:
-    """A setting refused on some ranks of an mpiexec job: say so and end the whole job, as
-    an uncaught error does under MPI (the other ranks are waiting in MPI's start-up)."""
+    """A setting refused, or joining failed, on some ranks of an mpiexec job: say so and end
+    the whole job, as an uncaught error does under MPI (the other ranks are waiting in
+    MPI's start-up or the rendezvous, with no timeout)."""
     print(f"gpudist: {type(err).__name__}: {err}; ending the MPI job", file=sys.stderr,
           flush=True)
     from .transport.mpi import _mpi

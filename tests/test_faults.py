@@ -717,6 +717,32 @@ def _launch(case, backend, tmp):
     return p, time.monotonic() - t0
 
 
+_BAD_DEVICE_ON_ONE_RANK = """
+import os
+import gpudist
+rank = int(os.environ["PMI_RANK"])
+gpudist.init(backend="mpi", device="cuda:999" if rank == 1 else "cpu")
+print("joined", rank, flush=True)
+gpudist.finalize()
+"""
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
+def test_init_failing_on_one_rank_ends_an_mpi_job(tmp_path):
+    """Under mpiexec, rank 1's init fails before the control plane exists (a device it
+    cannot use): the job ends within seconds with the reason (its peer used to wait in
+    MPI's start-up forever; a fuzz found it)."""
+    script = tmp_path / "bad_device.py"
+    script.write_text(_BAD_DEVICE_ON_ONE_RANK)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    t0 = time.monotonic()
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "cuda:999" in p.stderr and "ending the MPI job" in p.stderr, p.stderr[-2000:]
+    assert time.monotonic() - t0 < FAST
+
+
 @pytest.mark.parametrize("case", ["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
@@ -1596,6 +1622,10 @@ def _from_local_outside():
     them: the outsiders cannot learn the shape; their error reaches the partition's ranks."""
     w = gpudist.world()
     P = Partition([0, 1], (2, 1))
+    # the communicator of [0, 1] made first: a peer's failure seen during the agreement
+    # that precedes a new communicator, by some members only, leaves the others in torch's
+    # new_group rendezvous until the backend's timeout (README, not done; 2 in 20 runs here)
+    w.transport.group([0, 1])
     loc = torch.ones(2, 3) if P.active else torch.zeros(0, 0)
     DistTensor.from_local(loc, P)
     w.transport.barrier()
@@ -1605,7 +1635,9 @@ def test_from_local_outside_the_partition_fails_everywhere(cluster):
     errs, secs = _run_timed(cluster, 4, _from_local_outside)
     cluster.discard(4, "gloo")
     assert all(e is not None for e in errs), errs
-    assert all(e.type == "ShapeError" and "not in partition" in e.message for e in errs[2:]), errs
+    # an outsider raises its own error, or the other outsider's if that was posted first
+    assert all((e.type == "ShapeError" or e.type == "RemoteError" and "failed with ShapeError"
+                in e.message) and "not in partition" in e.message for e in errs[2:]), errs
     assert all(e.type == "RemoteError" for e in errs[:2]), errs
     assert secs < FAST, secs
 

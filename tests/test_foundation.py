@@ -217,6 +217,7 @@ def _missing_peer():
 def _late_peer():
     w = gpudist.world()
     buf = torch.zeros(3)
+    w.transport.barrier()  # both clocks start together
     if w.rank == 1:
         time.sleep(0.6)  # busy elsewhere: rank 0 waits all that time
         w.transport.wait(w.transport.batch_p2p([P2P("send", torch.ones(3), 0, 998)]))
@@ -249,6 +250,8 @@ def _late_collective_peer(kind, block=None):
             w.transport.block_collectives = was
     g = w.transport.group(range(w.size))
     buf = torch.full((4,), float(w.rank + 1))
+    w.transport.barrier()  # both clocks start together (a pool hands out a task to each
+    # rank in turn: under load they began 0.25-0.35 s apart, and rank 0 waited < 0.5 s)
     if w.rank == 1:
         time.sleep(0.6)
     wall, cpu, waits = time.perf_counter(), time.process_time(), w.control.waits

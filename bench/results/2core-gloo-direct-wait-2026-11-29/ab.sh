@@ -2,7 +2,7 @@
 # A/B, gloo, 2 ranks: da36113 (point-to-point waited in a helper thread) vs HEAD (waited
 # on the caller's thread, a watch thread for slow waits), alternated; $1 = rounds
 OUT=${OUT:-/tmp/s9/res}
-for r in $(seq 1 ${1:-2}); do
+for r in $(seq ${FIRST:-1} ${1:-2}); do
  for v in old new; do
   d=/tmp/s9/old; [ $v = new ] && d=/work/main
   (cd $d && export OMP_NUM_THREADS=1 &&
