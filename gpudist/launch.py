@@ -186,23 +186,7 @@ class RankPool:
         self._await_ready(timeout)
         for c in self.conns:
             c.send((fn, args, kwargs))
-        results: list = [None] * self.size
-        pending = {c: i for i, c in enumerate(self.conns)}
-        deadline = time.monotonic() + timeout
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self.close(kill=True)
-                raise TimeoutError(
-                    f"{fn.__qualname__} on {self.size} ranks: ranks {sorted(pending.values())} "
-                    f"did not finish within {timeout}s (pool killed)")
-            for c in ready:
-                i = pending.pop(c)
-                try:
-                    results[i] = c.recv()
-                except (EOFError, OSError):
-                    self.close(kill=True)
-                    raise RankFailure(f"rank {i} died running {fn.__qualname__}") from None
+        results = self._receive_all(timeout, f"running {fn.__qualname__}")
         if not all(r[2] for r in results):  # an aborted world cannot run another task
             self.close(kill=True)
         errs = {i: r[1] for i, r in enumerate(results) if r[0] == "err"}
@@ -213,6 +197,27 @@ class RankPool:
                              for i, e in errs.items())
             raise RankFailure(f"{fn.__qualname__} failed on ranks {sorted(errs)}:\n{text}", errs)
         return [r[1] for r in results]
+
+    def _receive_all(self, timeout: float, doing: str) -> list:
+        """One message from every rank, by rank, within ``timeout`` seconds; a rank that
+        dies or is late kills the pool (``doing`` names what the ranks were doing)."""
+        results: list = [None] * self.size
+        pending = {c: i for i, c in enumerate(self.conns)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                self.close(kill=True)
+                raise TimeoutError(f"{self.size} ranks {doing}: ranks {sorted(pending.values())}"
+                                   f" did not finish within {timeout}s (pool killed)")
+            for c in ready:
+                i = pending.pop(c)
+                try:
+                    results[i] = c.recv()
+                except (EOFError, OSError):
+                    self.close(kill=True)
+                    raise RankFailure(f"rank {i} died {doing}") from None
+        return results
 
     @property
     def alive(self) -> bool:
@@ -264,22 +269,7 @@ class ForkPool(RankPool):
     def _await_ready(self, timeout: float) -> None:
         if self._ready:
             return
-        deadline = time.monotonic() + timeout
-        pending = {c: i for i, c in enumerate(self.conns)}
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self.close(kill=True)
-                raise TimeoutError(f"ranks {sorted(pending.values())} did not start their "
-                                   f"world (gpudist.init) within {timeout}s (pool killed)")
-            for c in ready:
-                i = pending.pop(c)
-                try:
-                    c.recv()
-                except (EOFError, OSError):
-                    self.close(kill=True)
-                    raise RankFailure(f"rank {i} died starting its world (gpudist.init)"
-                                      ) from None
+        self._receive_all(timeout, "starting its world (gpudist.init)")
         self._ready = True
 
     @property
