@@ -243,64 +243,19 @@ def init(
             f"process group can neither be reused nor torn down safely, so no new world can "
             f"be joined in this process: start the job again")
     launch = detect_launch()
-    try:  # every setting read before anything is joined: a bad one raises here
-        check_all()
+    mpi_job = launch.launcher == "mpi" and launch.size > 1 and rank is None
+    try:  # until the control plane exists, a failure on some ranks of an mpiexec job (a
+        # setting refused, a device or a rendezvous that fails) leaves the others in MPI's
+        # start-up or the rendezvous, with no timeout: it ends the job
+        check_all()  # every setting read before anything is joined: a bad one raises here
         if timeout is None:
             timeout = setting("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S)
-    except LaunchError as e:
-        if launch.launcher == "mpi" and launch.size > 1 and rank is None:
-            _abort_mpi_job(e)  # (its peers would wait in MPI's start-up forever)
-        raise
-    cache = setting("GPUDIST_PLAN_CACHE", 8)
-    check_calls = setting("GPUDIST_CHECK_CALLS", False)
-    import torch.distributed as dist
-
-    if rank is not None:
-        launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
-    mpi_job = launch.launcher == "mpi" and launch.size > 1 and rank is None
-    try:  # until the control plane exists, a failure on some ranks of an mpiexec job
-        # leaves the others in MPI's start-up or the rendezvous, with no timeout: end it
-        dev = _pick_device(device, launch.local_rank)
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        if backend == "auto":
-            if dev.type == "cuda" and launch.size > 1:
-                backend = "nccl"
-            elif launch.launcher == "mpi" and launch.master_addr is None and _mpi_available():
-                backend = "mpi"
-            else:
-                backend = "gloo"
-
-        if backend == "mpi":
-            from .transport.mpi import MPITransport
-
-            transport: Transport = MPITransport(timeout=timeout)
-            if transport.size != launch.size and launch.launcher != "none":
-                raise LaunchError(
-                    f"MPI world has {transport.size} ranks but the launcher said {launch.size}"
-                )
-            launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
-                               launch.local_rank, None, None)
-            control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
-        else:
-            from .transport.torch_dist import TorchDistTransport, backend_timeout
-
-            td = datetime.timedelta(seconds=timeout)
-            if dist.is_initialized():  # the program joined already: reuse its store
-                launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
-                                   launch.local_rank, launch.master_addr, launch.master_port)
-                store = store or _default_store()
-            elif store is None:
-                store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
-            if not dist.is_initialized():
-                dist.init_process_group(backend, store=store, rank=launch.rank,
-                                        world_size=launch.size, timeout=backend_timeout(timeout))
-            transport = TorchDistTransport(timeout=timeout)
-            control_store = (dist.PrefixStore("gpudist", store)
-                             if launch.size > 1 and store is not None else None)
-        control = Control(control_store, launch.rank, launch.size, timeout)
-        control.register_process()
-        transport.control = control
+        cache = setting("GPUDIST_PLAN_CACHE", 8)
+        check_calls = setting("GPUDIST_CHECK_CALLS", False)
+        if rank is not None:
+            launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
+        dev, backend, launch, transport, control = _join(backend, device, launch, store,
+                                                         timeout)
     except Exception as e:
         if mpi_job:
             _abort_mpi_job(e)
@@ -314,6 +269,56 @@ def init(
         _install_excepthook()
         atexit.register(_at_exit)
     return _WORLD
+
+
+def _join(backend: str, device, launch: LaunchEnv, store, timeout: float
+          ) -> tuple[torch.device, str, LaunchEnv, Transport, Control]:
+    """:func:`init`'s joining: the device, the backend, its transport and the control
+    plane (its store)."""
+    import torch.distributed as dist
+
+    dev = _pick_device(device, launch.local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        if dev.type == "cuda" and launch.size > 1:
+            backend = "nccl"
+        elif launch.launcher == "mpi" and launch.master_addr is None and _mpi_available():
+            backend = "mpi"
+        else:
+            backend = "gloo"
+
+    if backend == "mpi":
+        from .transport.mpi import MPITransport
+
+        transport: Transport = MPITransport(timeout=timeout)
+        if transport.size != launch.size and launch.launcher != "none":
+            raise LaunchError(
+                f"MPI world has {transport.size} ranks but the launcher said {launch.size}"
+            )
+        launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
+                           launch.local_rank, None, None)
+        control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
+    else:
+        from .transport.torch_dist import TorchDistTransport, backend_timeout
+
+        td = datetime.timedelta(seconds=timeout)
+        if dist.is_initialized():  # the program joined already: reuse its store
+            launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
+                               launch.local_rank, launch.master_addr, launch.master_port)
+            store = store or _default_store()
+        elif store is None:
+            store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
+        if not dist.is_initialized():
+            dist.init_process_group(backend, store=store, rank=launch.rank,
+                                    world_size=launch.size, timeout=backend_timeout(timeout))
+        transport = TorchDistTransport(timeout=timeout)
+        control_store = (dist.PrefixStore("gpudist", store)
+                         if launch.size > 1 and store is not None else None)
+    control = Control(control_store, launch.rank, launch.size, timeout)
+    control.register_process()
+    transport.control = control
+    return dev, backend, launch, transport, control
 
 
 MASK_WORDS = 16  # the cores a rank may run on, as bits of 16 int64 words (cores 0-1023)
