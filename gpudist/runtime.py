@@ -195,6 +195,9 @@ def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.de
                               f"{torch.version.cuda}); use device='cpu' or 'auto'")
         if d.type == "cuda" and d.index is None:
             d = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+        if d.type == "cuda" and d.index >= torch.cuda.device_count():
+            raise DeviceError(f"gpudist.init(device={str(device)!r}): this machine has "
+                              f"{torch.cuda.device_count()} CUDA GPU(s)")
         return d
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
