@@ -48,7 +48,7 @@ HOT_SPIN_S = 5e-5  # ... the first this long without yielding, where ranks fit t
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
 TASK_DONE_OPS = 8  # a pool rank's last operators per group published when its task ends
-DEFAULT_DIAG_AFTER_S = setting("GPUDIST_DIAG_AFTER", 2.0)
+DEFAULT_DIAG_AFTER_S = 2.0  # (env GPUDIST_DIAG_AFTER, read by each Control)
 
 
 class Op(NamedTuple):
@@ -128,9 +128,11 @@ class Control:
     """
 
     def __init__(self, store, rank: int, size: int, timeout: float,
-                 diag_after: float = DEFAULT_DIAG_AFTER_S) -> None:
+                 diag_after: float | None = None) -> None:
         self.store, self.rank, self.size = store, rank, size
-        self.timeout, self.diag_after = timeout, diag_after
+        self.timeout = timeout
+        self.diag_after = (setting("GPUDIST_DIAG_AFTER", DEFAULT_DIAG_AFTER_S)
+                           if diag_after is None else diag_after)
         self.aborted: BaseException | None = None
         self._seq: dict[tuple[int, ...], int] = {}
         # the last HISTORY operators of each group (ring by sequence number): a peer stuck

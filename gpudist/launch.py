@@ -32,7 +32,15 @@ from pathlib import Path
 
 from .envvars import setting
 
-DEFAULT_COMM_TIMEOUT_S = setting("GPUDIST_COMM_TIMEOUT", 60.0)
+DEFAULT_COMM_TIMEOUT_S = 60.0
+
+
+def _comm_timeout(timeout: float | None) -> float:
+    """A pool's world timeout: ``timeout``, else env ``GPUDIST_COMM_TIMEOUT`` (read when
+    a pool starts, not at import: a bad value is an error of that call, not of
+    ``import gpudist``), else 60 s."""
+    return setting("GPUDIST_COMM_TIMEOUT", DEFAULT_COMM_TIMEOUT_S) if timeout is None \
+        else timeout
 
 
 @dataclass
@@ -248,9 +256,10 @@ class ForkPool(RankPool):
     """N ranks forked (or spawned) here, joined by gloo (or NCCL) through a FileStore."""
 
     def __init__(self, size: int, backend: str = "gloo", device: str = "cpu",
-                 start: str = "fork", timeout: float = DEFAULT_COMM_TIMEOUT_S,
+                 start: str = "fork", timeout: float | None = None,
                  threads: int = 1) -> None:
         super().__init__(size)
+        timeout = _comm_timeout(timeout)
         ctx = mp.get_context(start)  # "spawn" for ranks that use CUDA (_start_method)
         self._dir = tempfile.mkdtemp(prefix="gpudist-pool-")
         store = os.path.join(self._dir, "store")
@@ -291,12 +300,13 @@ class ForkPool(RankPool):
 class MPIPool(RankPool):
     """``mpiexec -n N`` ranks running :func:`worker_main`, connected back over a socket."""
 
-    def __init__(self, size: int, device: str = "cpu", timeout: float = DEFAULT_COMM_TIMEOUT_S,
+    def __init__(self, size: int, device: str = "cpu", timeout: float | None = None,
                  threads: int = 1, pythonpath: Sequence[str] = (),
                  start_timeout: float = 120.0, connect: bool = True) -> None:
         """``connect=False``: start the ranks and return; :meth:`connect` waits for them
         (a pool runs tasks only once connected)."""
         super().__init__(size)
+        timeout = _comm_timeout(timeout)
         exe = mpiexec()
         if exe is None:
             raise RankFailure("mpiexec not found (pip install mpich mpi4py)")

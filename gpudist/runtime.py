@@ -472,8 +472,10 @@ def _mpi_store(transport: Transport, timeout: float):
 _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
 # seconds the interpreter's teardown (exit handlers included) may take after an uncaught
-# error before SIGALRM ends the process
-EXIT_TEARDOWN_S = setting("GPUDIST_EXIT_TEARDOWN_S", 10)
+# error before SIGALRM ends the process (env GPUDIST_EXIT_TEARDOWN_S; read when needed, as
+# every setting: a bad value read at ``import gpudist`` would end one rank of a job before
+# init could say so on every rank)
+EXIT_TEARDOWN_S = 10
 
 
 def _excepthook(kind, value, tb) -> None:
@@ -503,7 +505,7 @@ def _excepthook(kind, value, tb) -> None:
         MPI.COMM_WORLD.Abort(1)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
-        signal.alarm(max(1, EXIT_TEARDOWN_S))
+        signal.alarm(max(1, setting("GPUDIST_EXIT_TEARDOWN_S", EXIT_TEARDOWN_S)))
     w.transport.release_in_flight()
     w.transport.abandon()  # no teardown that waits for a collective left in flight
     _flush_open_files()  # before a teardown that may not reach their finalizers

@@ -717,29 +717,36 @@ def _launch(case, backend, tmp):
     return p, time.monotonic() - t0
 
 
-_BAD_DEVICE_ON_ONE_RANK = """
+_BAD_ON_ONE_RANK = """
 import os
-import gpudist
 rank = int(os.environ["PMI_RANK"])
-gpudist.init(backend="mpi", device="cuda:999" if rank == 1 else "cpu")
+if rank == 1 and {setting!r}:  # a bad value seen by rank 1 alone, before the import
+    os.environ[{setting!r}] = "abc"
+import gpudist
+gpudist.init(backend="mpi", device="cuda:999" if rank == 1 and {device} else "cpu")
 print("joined", rank, flush=True)
 gpudist.finalize()
 """
 
 
 @pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
-def test_init_failing_on_one_rank_ends_an_mpi_job(tmp_path):
+@pytest.mark.parametrize("bad", ["device", "GPUDIST_DIAG_AFTER", "GPUDIST_EXIT_TEARDOWN_S",
+                                 "GPUDIST_COMM_TIMEOUT"])
+def test_init_failing_on_one_rank_ends_an_mpi_job(bad, tmp_path):
     """Under mpiexec, rank 1's init fails before the control plane exists (a device it
-    cannot use): the job ends within seconds with the reason (its peer used to wait in
-    MPI's start-up forever; a fuzz found it)."""
-    script = tmp_path / "bad_device.py"
-    script.write_text(_BAD_DEVICE_ON_ONE_RANK)
+    cannot use; a bad setting in its environment alone, including those that were read
+    at ``import gpudist``): the job ends within seconds with the reason (its peer used to
+    wait in MPI's start-up forever; fuzzes found both)."""
+    script = tmp_path / "bad_on_one_rank.py"
+    script.write_text(_BAD_ON_ONE_RANK.format(
+        setting="" if bad == "device" else bad, device=bad == "device"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     t0 = time.monotonic()
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0, p.stdout + p.stderr
-    assert "cuda:999" in p.stderr and "ending the MPI job" in p.stderr, p.stderr[-2000:]
+    assert ("cuda:999" if bad == "device" else f"{bad}='abc'") in p.stderr, p.stderr[-2000:]
+    assert "ending the MPI job" in p.stderr, p.stderr[-2000:]
     assert time.monotonic() - t0 < FAST
 
 
