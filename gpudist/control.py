@@ -149,6 +149,9 @@ class Control:
         self.nap_max_s = setting("GPUDIST_NAP_MAX_S", NAP_MAX_S)
         # set by gpudist.init where this host's ranks fit its cores (no peer to yield to)
         self.hot_spin_s = 0.0
+        # the rank whose process serves the store (MPI: rank 0; None: the launcher's or
+        # a file): set by gpudist.init
+        self.store_server: int | None = None
 
     # -- which peers still run ----------------------------------------------------------
     def register_process(self) -> None:
@@ -191,7 +194,32 @@ class Control:
             if self.store.add("abort_n", 1) == 1:
                 self.store.set("abort", json.dumps(
                     {"rank": self.rank, "kind": type(exc).__name__, "message": msg}))
+            self._seen()
         except Exception:  # the store is gone too: nothing more to tell
+            pass
+
+    def _seen(self) -> None:
+        """Tell the store's server that this rank knows the world aborted (it waits for
+        that before it leaves: :meth:`linger`)."""
+        self.store.set(f"seen/{self.rank}", "1")
+
+    def linger(self, limit: float) -> None:
+        """The store's server leaving an aborted world: wait, up to ``limit`` seconds,
+        until every peer has seen the failure or left this host, so that a peer waiting
+        in an operator reads the failure (a ``RemoteError`` naming it) instead of finding
+        the store gone. Elsewhere a no-op."""
+        if self.store_server != self.rank or self.store is None or self.aborted is None:
+            return
+        deadline = time.monotonic() + limit
+        try:
+            while time.monotonic() < deadline:
+                gone = set(self.gone())
+                left = [f"seen/{r}" for r in range(self.size) if r != self.rank and
+                        r not in gone]
+                if not left or self.store.check(left):
+                    return
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - best effort: the exit goes on
             pass
 
     def failed(self, e: BaseException, where: str) -> None:
@@ -231,11 +259,25 @@ class Control:
             if not self.store.check(["abort"]):
                 return
             info = json.loads(self.store.get("abort"))
-        except Exception:
-            return
+        except Exception as e:  # noqa: BLE001 - the store's server left
+            err = CommTimeout(self._store_gone(where, e))
+            self.aborted = err
+            raise err from None
         err = RemoteError(int(info["rank"]), info["kind"], info["message"], where)
         self.aborted = err
+        try:
+            self._seen()
+        except Exception:  # noqa: BLE001 - it told us; it may be leaving
+            pass
         raise err
+
+    def _store_gone(self, where: str, e: BaseException) -> str:
+        who = (f"rank {self.store_server}, which serves it," if self.store_server is not None
+               else "the process serving it (rank 0 or the launcher)")
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return (f"{where}: the control plane's store cannot be reached: {who} has left "
+                f"(exited, crashed or killed; what it failed with, if anything, is not "
+                f"known here) ({first})")
 
     def scope(self, where: str) -> _Scope:
         """Errors raised inside that not every rank raises are posted to the world (the

@@ -302,16 +302,20 @@ def _join(backend: str, device, launch: LaunchEnv, store, timeout: float
         launch = LaunchEnv(launch.launcher, transport.rank, transport.size,
                            launch.local_rank, None, None)
         control_store = _mpi_store(transport, timeout) if transport.size > 1 else None
+        server = 0
     else:
         from .transport.torch_dist import TorchDistTransport, backend_timeout
 
         td = datetime.timedelta(seconds=timeout)
+        server = None  # (a store of the program's, a file, the launcher's agent)
         if dist.is_initialized():  # the program joined already: reuse its store
             launch = LaunchEnv(launch.launcher, dist.get_rank(), dist.get_world_size(),
                                launch.local_rank, launch.master_addr, launch.master_port)
             store = store or _default_store()
         elif store is None:
             store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                server = 0  # (_rendezvous_store: rank 0 serves it)
         if not dist.is_initialized():
             dist.init_process_group(backend, store=store, rank=launch.rank,
                                     world_size=launch.size, timeout=backend_timeout(timeout))
@@ -319,6 +323,7 @@ def _join(backend: str, device, launch: LaunchEnv, store, timeout: float
         control_store = (dist.PrefixStore("gpudist", store)
                          if launch.size > 1 and store is not None else None)
     control = Control(control_store, launch.rank, launch.size, timeout)
+    control.store_server = server
     control.register_process()
     transport.control = control
     return dev, backend, launch, transport, control
@@ -525,6 +530,9 @@ def _flush_open_files() -> None:
 
 
 GLOO_SETTLE_S = 0.05
+# the longest the control store's server (MPI's rank 0) stays, leaving an aborted world,
+# for its peers to read the failure (Control.linger)
+LINGER_S = 5.0
 
 
 def _at_exit() -> None:
@@ -543,6 +551,7 @@ def _at_exit() -> None:
                         "interpreter exit")
     if w is not None:
         w.transport.release_in_flight()
+        w.control.linger(LINGER_S)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -576,6 +585,7 @@ def finalize() -> None:
         global _ABORTED
         _ABORTED = str(w.control.aborted)[:300]
         w.transport.release_in_flight()
+        w.control.linger(LINGER_S)
         return
     try:
         if w.size > 1:

@@ -750,6 +750,51 @@ def test_init_failing_on_one_rank_ends_an_mpi_job(bad, tmp_path):
     assert time.monotonic() - t0 < FAST
 
 
+_STORE_SERVER_LEAVES = """
+import os, sys, time
+import torch
+import gpudist
+from gpudist.primitives import AllSumReduce
+w = gpudist.init(backend="mpi")
+op = AllSumReduce(gpudist.Partition.grid((2,)), axes=(0,))
+t0 = time.monotonic()
+try:
+    if w.rank == 0:  # fails in its own code, catches it and leaves (no finalize)
+        raise ValueError("rank 0 gave up")
+    time.sleep({busy})  # busy outside gpudist
+    op(torch.ones(100))
+    print("done", flush=True)
+except Exception as e:
+    print(f"rank {{w.rank}} after {{time.monotonic() - t0:.1f}}s: {{type(e).__name__}}: {{e}}",
+          flush=True)
+"""
+
+
+@pytest.mark.skipif(not HAS_MPI, reason="mpi4py or mpiexec not installed")
+@pytest.mark.parametrize("busy", [0.5, 7.0])
+def test_the_store_server_leaving_an_aborted_world_under_mpiexec(busy, tmp_path):
+    """Under MPI rank 0 serves the control store. It catches its own error and exits
+    without finalize: it stays (up to 5 s) until its peer has read the failure its exit
+    posted, so the peer entering an operator 0.5 s later raises the RemoteError naming it;
+    a peer busy longer finds the store gone and raises a CommTimeout saying that rank 0
+    left, at once (both waited the world's whole timeout before: a fuzz found it)."""
+    script = tmp_path / "store_server_leaves.py"
+    script.write_text(_STORE_SERVER_LEAVES.format(busy=busy))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), GPUDIST_COMM_TIMEOUT="60")
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert "done" not in p.stdout, out
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("rank 1 after"))
+    secs = float(line.split()[3][:-2])
+    assert secs < busy + 3, line
+    if busy < 5:
+        assert "RemoteError: rank 0 failed with RuntimeError: rank 0 exited without " \
+               "gpudist.finalize()" in line, line
+    else:
+        assert "CommTimeout" in line and "rank 0, which serves it, has left" in line, line
+
+
 @pytest.mark.parametrize("case", ["raise", "exit", "exitbwd", "quit", "ckpt", "mismatch"])
 @pytest.mark.parametrize("backend", ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
     not HAS_MPI, reason="mpi4py or mpiexec not installed"))])
