@@ -317,6 +317,32 @@ def test_fan_sums_in_two_roles(cluster, backend):
     assert all(a[0] == a[-1] for _, a in res), res  # nothing allocated after the first cycle
 
 
+def test_plan_buffers_kept_per_name_shape_dtype():
+    """A plan keeps its buffers' slots by name: a repeated call gets the same storage
+    back once the last result is dropped, a second live result its own, and a call with
+    another shape or dtype under the same plan (batch norm applies one plan to blocks of
+    two shapes) a buffer of that shape and dtype, never the kept one."""
+    from gpudist.buffers import BufferPool
+    from gpudist.primitives.base import Plan, Primitive
+
+    op = Primitive.__new__(Primitive)  # only its buffer(): no world needed
+    op.buffers = BufferPool()
+    plan = Plan(None, None, None)
+    x = torch.zeros(4, 3)
+    a = op.buffer(plan, "out", x.shape, x)
+    ptr = a.data_ptr()
+    b = op.buffer(plan, "out", x.shape, x)  # a still alive: another buffer
+    assert b.data_ptr() != ptr
+    del a, b
+    assert op.buffer(plan, "out", x.shape, x).data_ptr() == ptr  # reused
+    y = op.buffer(plan, "out", (1, 3), x)
+    assert tuple(y.shape) == (1, 3)
+    z = op.buffer(plan, "out", x.shape, x.double())
+    assert z.dtype == torch.float64 and tuple(z.shape) == (4, 3)
+    assert op.buffer(plan, "out", (4, 3), x).data_ptr() == ptr  # back to the first slot
+    assert op.buffers.allocations == 4
+
+
 def _sums_in_another_order(kind):
     """Two sums of different groups that both carry a message 1 -> 0 (trees: SumReduce
     over ranks {0, 1} and over {1, 2} into rank 0; rings: AllSumReduce over {0, 1} and

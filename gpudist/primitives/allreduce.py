@@ -43,14 +43,14 @@ class AllSumReduce(Primitive):
     def make_plan(self, spec, out):
         return None, self.sub.group is None
 
-    def _sum(self, x, name: str):
-        y = self.buffers.get(name, x.shape, x.dtype, x.device)
+    def _sum(self, x, plan: Plan, name: str):
+        y = self.buffer(plan, name, x.shape, x)
         ring.all_reduce(self.world.transport, y, x.contiguous(), self.sub.group,
                         self.tag + (name == "adjoint"))
         return y
 
     def forward(self, x, plan: Plan):
-        return self._sum(x, "out")
+        return self._sum(x, plan, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self._sum(dy, "adjoint")
+        return self._sum(dy, plan, "adjoint")

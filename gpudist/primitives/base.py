@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -201,6 +201,7 @@ class Plan:
     local: object
     identity: bool = False
     fingerprint: int = 0
+    slots: dict = field(default_factory=dict)  # name -> the pool's Slot (Primitive.buffer)
 
 
 class Primitive(torch.nn.Module):
@@ -311,6 +312,17 @@ class Primitive(torch.nn.Module):
         p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
         self._last = (spec, p, grad)
         return p
+
+    def buffer(self, plan: Plan, name: object, shape: Sequence[int], like: torch.Tensor
+               ) -> torch.Tensor:
+        """A pooled tensor of ``shape`` with ``like``'s dtype and device, for a call with
+        ``plan`` (its slot in the pool kept per plan and name: half the cost of a lookup
+        by key, on every call; a plan applied to blocks of other shapes, as batch norm's
+        sums are, looks it up again)."""
+        s = plan.slots.get(name)
+        if s is None or s.shape != shape or not s.fits(like):
+            s = plan.slots[name] = self.buffers.slot(name, shape, like.dtype, like.device)
+        return s.take()
 
     def derive(self, x: torch.Tensor) -> TensorSpec:
         """The spec of a plain local block: a metadata exchange over the participants at

@@ -235,24 +235,26 @@ class _FanPrimitive(Primitive):
     def make_plan(self, spec, out):
         return None, self.fans.identity
 
-    def spread(self, x: torch.Tensor, many: TensorSpec, name: str) -> torch.Tensor:
+    def spread(self, x: torch.Tensor, plan: Plan, many: TensorSpec, name: str
+               ) -> torch.Tensor:
         """Each 'one' worker's block to its 'many' workers (who receive into a pooled
         buffer shaped by ``many``)."""
         f = self.fans
         out = None
         if f.mine_many is not None and f.mine_many.one != self.world.rank:
-            out = self.buffers.get(name, many.local_shape, x.dtype, x.device)
+            out = self.buffer(plan, name, many.local_shape, x)
         y = f.broadcast(x.contiguous(), out)
         return y if y is not None else zero_volume(many.ndim, like=x)
 
-    def sum_in(self, x: torch.Tensor, one: TensorSpec, name: str) -> torch.Tensor:
+    def sum_in(self, x: torch.Tensor, plan: Plan, one: TensorSpec, name: str
+               ) -> torch.Tensor:
         """The sum of each fan's 'many' blocks on its 'one' worker (``one`` shapes it)."""
         out = None
         if self.fans.mine_one is not None:
-            out = self.buffers.get(name, one.local_shape, x.dtype, x.device)
+            out = self.buffer(plan, name, one.local_shape, x)
         x = x.contiguous()
-        y = self.fans.reduce(x, out, lambda what, like: self.buffers.get(
-            f"{name}-{what}", like.shape, like.dtype, like.device), self.tag)
+        y = self.fans.reduce(x, out, lambda what, like: self.buffer(
+            plan, (name, what), like.shape, like), self.tag)
         return y if y is not None else zero_volume(one.ndim, like=x)
 
 
@@ -287,10 +289,10 @@ class Broadcast(_FanPrimitive):
         return TensorSpec(self.P_dst, spec.global_shape, spec.dtype, spec.device_type, pl)
 
     def forward(self, x, plan: Plan):
-        return self.spread(x, plan.out, "out")
+        return self.spread(x, plan, plan.out, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self.sum_in(dy, plan.spec, "adjoint")
+        return self.sum_in(dy, plan, plan.spec, "adjoint")
 
 
 class SumReduce(_FanPrimitive):
@@ -336,7 +338,7 @@ class SumReduce(_FanPrimitive):
         return _transposed(view) if self.transpose_dst else view
 
     def forward(self, x, plan: Plan):
-        return self.sum_in(x, plan.out, "out")
+        return self.sum_in(x, plan, plan.out, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self.spread(dy, plan.spec, "adjoint")
+        return self.spread(dy, plan, plan.spec, "adjoint")

@@ -46,18 +46,19 @@ class _Along(Primitive):
         me = self.sub.index if self.sub.active else 0
         return {"sizes": sizes, "direct": direct, "me": me, "full": shape}
 
-    def gather(self, x: torch.Tensor, lay: dict, name: str) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
         """Concatenate the fiber's blocks along ``dim`` (``x`` is this worker's block)."""
+        lay = plan.local
         tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
-        out = self.buffers.get(name, lay["full"], x.dtype, x.device)
+        out = self.buffer(plan, name, lay["full"], x)
         if lay["direct"]:
             tr.wait([tr.all_gather(out, x.contiguous(), self.sub.group)])
             return out
         m = max(lay["sizes"])
         blk = list(x.shape)
         blk[d] = m
-        stage = self.buffers.get(name + "-stage", [n] + blk, x.dtype, x.device)
-        mine = self.buffers.get(name + "-mine", blk, x.dtype, x.device)
+        stage = self.buffer(plan, name + "-stage", (n, *blk), x)
+        mine = self.buffer(plan, name + "-mine", tuple(blk), x)
         mine.narrow(d, 0, x.shape[d]).copy_(x)
         tr.wait([tr.all_gather(stage, mine, self.sub.group)])
         at = 0
@@ -69,37 +70,39 @@ class _Along(Primitive):
             at += k
         return out
 
-    def scatter(self, x: torch.Tensor, lay: dict, name: str) -> torch.Tensor:
+    def scatter(self, x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
         """Sum ``x`` (whole along ``dim``) over the fiber and keep this worker's block."""
+        lay = plan.local
         d, n = self.dim, len(lay["sizes"])
         sizes, me = lay["sizes"], lay["me"]
         blk = list(x.shape)
         blk[d] = sizes[me]
         if lay["direct"]:
-            out = self.buffers.get(name, blk, x.dtype, x.device)
-            self._reduce_scatter(out, x.contiguous(), name)
+            out = self.buffer(plan, name, tuple(blk), x)
+            self._reduce_scatter(out, x.contiguous(), plan, name)
             return out
         m = max(sizes)
         pad = list(x.shape)
         pad[d] = m
-        stage = self.buffers.get(name + "-stage", [n] + pad, x.dtype, x.device)
+        stage = self.buffer(plan, name + "-stage", (n, *pad), x)
         starts = [sum(sizes[:i]) for i in range(n)]
         for j in range(n):
             i = self.order[j]
             stage[j].narrow(d, 0, sizes[i]).copy_(x.narrow(d, starts[i], sizes[i]))
             if sizes[i] < m:
                 stage[j].narrow(d, sizes[i], m - sizes[i]).zero_()
-        mine = self.buffers.get(name + "-mine", pad, x.dtype, x.device)
-        self._reduce_scatter(mine, stage, name)
-        out = self.buffers.get(name, blk, x.dtype, x.device)
+        mine = self.buffer(plan, name + "-mine", tuple(pad), x)
+        self._reduce_scatter(mine, stage, plan, name)
+        out = self.buffer(plan, name, tuple(blk), x)
         out.copy_(mine.narrow(d, 0, sizes[me]))
         return out
 
-    def _reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, x: torch.Tensor, plan: Plan, name: str
+                        ) -> None:
         """The backend's reduce-scatter, or the ring's for large host tensors
         (:mod:`gpudist.primitives.ring`)."""
         g = self.sub.group
-        spare = (self.buffers.get(name + "-spare", out.shape, out.dtype, out.device)
+        spare = (self.buffer(plan, name + "-spare", out.shape, out)
                  if ring.needs_spare(x, g) else None)
         ring.reduce_scatter(self.world.transport, out, x, g, spare,
                             self.tag + (name == "adjoint"))
@@ -125,10 +128,10 @@ class AllGather(_Along):
         return self.layout(out), self.sub.group is None
 
     def forward(self, x, plan: Plan):
-        return self.gather(x, plan.local, "out")
+        return self.gather(x, plan, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self.scatter(dy, plan.local, "adjoint")
+        return self.scatter(dy, plan, "adjoint")
 
 
 class ReduceScatter(_Along):
@@ -155,7 +158,7 @@ class ReduceScatter(_Along):
         return self.layout(spec), self.sub.group is None
 
     def forward(self, x, plan: Plan):
-        return self.scatter(x, plan.local, "out")
+        return self.scatter(x, plan, "out")
 
     def adjoint(self, dy, plan: Plan):
-        return self.gather(dy, plan.local, "adjoint")
+        return self.gather(dy, plan, "adjoint")
