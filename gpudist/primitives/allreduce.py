@@ -23,6 +23,8 @@ class AllSumReduce(Primitive):
         super().__init__(P.world, P.ranks, (P.key, self.axes))
         self.sub = P.sub(self.axes)  # world-collective
         self.in_partition = P
+        g = self.sub.group
+        self._backend = P.world.transport.prepare("all_reduce", g) if g is not None else None
 
     def derive(self, x):
         pl = [PARTIAL if (i in self.axes or x.dim() != self.P.dim) else i
@@ -46,7 +48,7 @@ class AllSumReduce(Primitive):
     def _sum(self, x, plan: Plan, name: str):
         y = self.buffer(plan, name, x.shape, x)
         ring.all_reduce(self.world.transport, y, x.contiguous(), self.sub.group,
-                        self.tag + (name == "adjoint"))
+                        self.tag + (name == "adjoint"), self._backend)
         return y
 
     def forward(self, x, plan: Plan):

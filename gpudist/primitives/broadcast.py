@@ -79,23 +79,37 @@ class FanPlan:
         self.one_first = (self.mine_one is None or self.mine_many is None
                           or self.fans.index(self.mine_one) <= self.fans.index(self.mine_many))
         self.identity = all(f.many == (f.one,) for f in self.fans)
+        # a worker with one role in the broadcast (it sends its block, or receives one)
+        # runs one collective: prepared once, the transport's leanest call for it
+        self._sends = self.mine_one is not None and self.mine_one.group is not None
+        self._recvs = self.mine_many is not None and self.mine_many.one != me
+        self._bcast = None
+        if self._sends != self._recvs:
+            f = self.mine_one if self._sends else self.mine_many
+            self._bcast = self.world.transport.prepare("broadcast", f.group, f.one)
+        self._keeps_x = self.mine_many is not None and self.mine_many.one == me
         # this worker's places in the trees of the host sums (:meth:`_tree_sum`)
         self.tree_one = _Tree.of(self.mine_one, me) if self.mine_one is not None else None
         self.tree_many = _Tree.of(self.mine_many, me) if self.mine_many is not None else None
 
     def broadcast(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor | None:
         """'one' workers send ``x``; 'many' workers receive into ``out`` (their copy)."""
+        if self._bcast is not None:  # one role
+            if self._recvs:
+                self._bcast(out)
+                return out
+            self._bcast(x)
+            return x if self._keeps_x else None
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
-        sends = one is not None and one.group is not None
-        recvs = many is not None and many.one != me
+        sends, recvs = self._sends, self._recvs
         for part in (("send", "recv") if self.one_first else ("recv", "send")):
             if part == "send" and sends:
                 works.append(tr.broadcast(x, me, one.group))
             elif part == "recv" and recvs:
                 works.append(tr.broadcast(out, many.one, many.group))
         tr.wait(works)
-        return x if many is not None and many.one == me else out
+        return x if self._keeps_x else out
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None,
                buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int

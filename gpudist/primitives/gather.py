@@ -30,6 +30,10 @@ class _Along(Primitive):
         super().__init__(P.world, P.ranks, (P.key, self.axis, dim))
         self.sub = P.sub([self.axis])  # world-collective
         self.in_partition = P
+        g, tr = self.sub.group, P.world.transport
+        # the two collectives, prepared once (the transport's leanest call for each)
+        self._all_gather = tr.prepare("all_gather", g) if g is not None else None
+        self._reduce_scatter_run = tr.prepare("reduce_scatter", g) if g is not None else None
         # slot j of the (ascending-rank) group holds partition position order[j]
         self.order = ([self.sub.ranks.index(r) for r in sorted(self.sub.ranks)]
                       if self.sub.active else [])
@@ -49,10 +53,10 @@ class _Along(Primitive):
     def gather(self, x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
         """Concatenate the fiber's blocks along ``dim`` (``x`` is this worker's block)."""
         lay = plan.local
-        tr, d, n = self.world.transport, self.dim, len(lay["sizes"])
+        d, n = self.dim, len(lay["sizes"])
         out = self.buffer(plan, name, lay["full"], x)
         if lay["direct"]:
-            tr.wait([tr.all_gather(out, x.contiguous(), self.sub.group)])
+            self._all_gather(out, x.contiguous())
             return out
         m = max(lay["sizes"])
         blk = list(x.shape)
@@ -60,7 +64,7 @@ class _Along(Primitive):
         stage = self.buffer(plan, name + "-stage", (n, *blk), x)
         mine = self.buffer(plan, name + "-mine", tuple(blk), x)
         mine.narrow(d, 0, x.shape[d]).copy_(x)
-        tr.wait([tr.all_gather(stage, mine, self.sub.group)])
+        self._all_gather(stage, mine)
         at = 0
         starts = [sum(lay["sizes"][:i]) for i in range(n)]
         for j in range(n):
@@ -105,7 +109,7 @@ class _Along(Primitive):
         spare = (self.buffer(plan, name + "-spare", out.shape, out)
                  if ring.needs_spare(x, g) else None)
         ring.reduce_scatter(self.world.transport, out, x, g, spare,
-                            self.tag + (name == "adjoint"))
+                            self.tag + (name == "adjoint"), self._reduce_scatter_run)
 
 
 class AllGather(_Along):

@@ -80,12 +80,16 @@ class _Ring:
             send = recv
 
 
-def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, tag: int
-               ) -> None:
+def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, tag: int,
+               backend: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
     """``y`` = the sum of the members' ``x`` (same shape, contiguous; ``x`` kept); ``tag``:
-    the calling operator's own."""
+    the calling operator's own; ``backend``: the caller's prepared all-reduce
+    (``tr.prepare("all_reduce", group)``) for sums the rings leave to the backend."""
     if not _rings(x, group):
-        tr.wait([tr.all_reduce(y, group, src=x)])
+        if backend is not None:
+            backend(y, x)
+        else:
+            tr.wait([tr.all_reduce(y, group, src=x)])
         return
     yf, xf = y.view(-1), x.view(-1)
     ring = _Ring(tr, group, xf.numel(), tag)
@@ -95,12 +99,18 @@ def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, ta
 
 
 def reduce_scatter(tr: Transport, out: torch.Tensor, x: torch.Tensor, group: Group,
-                   spare: torch.Tensor | None, tag: int) -> None:
+                   spare: torch.Tensor | None, tag: int,
+                   backend: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                   ) -> None:
     """``out`` = this member's chunk (the group's size equal chunks, in group order) of the
     sum of the members' ``x`` (contiguous). ``spare``: a buffer shaped like ``out`` that
-    the ring's steps alternate with (None: ask :func:`needs_spare` first)."""
+    the ring's steps alternate with (None: ask :func:`needs_spare` first); ``backend``:
+    as :func:`all_reduce`'s."""
     if not _rings(x, group):
-        tr.wait([tr.reduce_scatter(out, x, group)])
+        if backend is not None:
+            backend(out, x)
+        else:
+            tr.wait([tr.reduce_scatter(out, x, group)])
         return
     xf, of = x.view(-1), out.view(-1)
     ring = _Ring(tr, group, xf.numel(), tag)

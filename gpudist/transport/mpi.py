@@ -28,6 +28,7 @@ from .base import (
     Staging,
     Transport,
     Work,
+    left_in_flight,
     p2p_label,
 )
 
@@ -232,6 +233,44 @@ class MPITransport(Transport):
         buf, s = self._dst(key, tensor)
         req = group.handle.Ibcast(buf, root=group.index(src))
         return self._work(req, what, s, tensor)
+
+    def prepare(self, kind, group, root=None):
+        """Host memory MPI takes by address: the request posted and polled directly
+        (anything else: the general call)."""
+        general = super().prepare(kind, group, root)
+        h, direct, done = group.handle, self._direct, self._complete
+        if kind == "broadcast":
+            post, at, label = h.Ibcast, group.index(root), group.doing("broadcast from", root)
+
+            def bcast(t: torch.Tensor) -> None:
+                b = direct(t, False)
+                if b is None:
+                    return general(t)
+                done(post(b, root=at), label, t)
+            return bcast
+        typed = kind != "all_gather"  # (the sums' buffers carry their MPI type)
+        post = {"all_reduce": h.Iallreduce, "all_gather": h.Iallgather,
+                "reduce_scatter": h.Ireduce_scatter_block}[kind]
+        label, sums = group.doing(kind.replace("_", "-")), self._sum
+
+        def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+            ob, ib = direct(out, typed), direct(inp, typed)
+            if ob is None or ib is None:
+                return general(out, inp)
+            done(post(ib, ob, op=sums(inp)) if typed else post(ib, ob), label, (out, inp))
+        return run
+
+    def _complete(self, req, what: Label, keep: object) -> None:
+        """Wait for ``req`` through the control plane (polled once first: a small message
+        is often done by then); ``keep``, the memory MPI was handed, stays alive if the
+        wait fails (as :meth:`Transport.wait` keeps a Work's)."""
+        if req.Test():
+            return
+        try:
+            self.control.wait(req.Test, what, spin=True)
+        except BaseException:
+            left_in_flight([Work(what, req.Test, keep=keep)])
+            raise
 
     def reduce(self, tensor, dst, group):
         what = group.doing("reduce to", dst)
