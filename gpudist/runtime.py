@@ -129,6 +129,7 @@ class World:
     check_calls: bool = False  # GPUDIST_CHECK_CALLS: compare every call (meta.check_call)
     ranks_here: int = 1  # the world's ranks on this host (this one included)
     cores_here: int = 0  # the cores they may run on together (0: not known; this rank's)
+    exit_teardown_s: int = 10  # GPUDIST_EXIT_TEARDOWN_S (read by init: see _excepthook)
 
     @property
     def timeout(self) -> float:
@@ -255,6 +256,7 @@ def init(
             timeout = setting("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S)
         cache = setting("GPUDIST_PLAN_CACHE", 8)
         check_calls = setting("GPUDIST_CHECK_CALLS", False)
+        teardown = setting("GPUDIST_EXIT_TEARDOWN_S", EXIT_TEARDOWN_S)
         if rank is not None:
             launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
         dev, backend, launch, transport, control = _join(backend, device, launch, store,
@@ -267,6 +269,7 @@ def init(
                    launch, control, max(1, cache))
     _WORLD.check_calls, _WORLD.ranks_here, _WORLD.cores_here = _start_exchange(
         _WORLD, check_calls)
+    _WORLD.exit_teardown_s = teardown
     _choose_waits(_WORLD)
     if launch.size > 1:
         _install_excepthook()
@@ -477,9 +480,9 @@ def _mpi_store(transport: Transport, timeout: float):
 _PREV_HOOK = None
 EXIT_GRACE_S = 1.0
 # seconds the interpreter's teardown (exit handlers included) may take after an uncaught
-# error before SIGALRM ends the process (env GPUDIST_EXIT_TEARDOWN_S; read when needed, as
-# every setting: a bad value read at ``import gpudist`` would end one rank of a job before
-# init could say so on every rank)
+# error before SIGALRM ends the process (env GPUDIST_EXIT_TEARDOWN_S, read by init as every
+# setting: read at ``import gpudist`` a bad value ended one rank of a job before init could
+# say so on every rank; read in the handler, a value changed after init broke the handler)
 EXIT_TEARDOWN_S = 10
 
 
@@ -510,7 +513,7 @@ def _excepthook(kind, value, tb) -> None:
         MPI.COMM_WORLD.Abort(1)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the default action ends the process
-        signal.alarm(max(1, setting("GPUDIST_EXIT_TEARDOWN_S", EXIT_TEARDOWN_S)))
+        signal.alarm(max(1, w.exit_teardown_s))
     w.transport.release_in_flight()
     w.transport.abandon()  # no teardown that waits for a collective left in flight
     _flush_open_files()  # before a teardown that may not reach their finalizers
