@@ -99,7 +99,7 @@ class FanPlan:
                 self._bcast(out)
                 return out
             self._bcast(x)
-            return x if self._keeps_x else None
+            return x if self._keeps_x else out
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends, recvs = self._sends, self._recvs
