@@ -292,7 +292,8 @@ class TorchDistTransport(Transport):
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
             return []
-        dops, back = [], []
+        dops, back, g = [], [], self.p2p_group
+        gloo = self.backend == "gloo"
         for o in ops:
             key = ("p2p", o.op, o.peer, o.tag)
             if o.op == "send":
@@ -302,8 +303,11 @@ class TorchDistTransport(Transport):
                 if t is not o.tensor:
                     back.append((t, o.tensor))
             fn = dist.isend if o.op == "send" else dist.irecv
-            dops.append(dist.P2POp(fn, t, o.peer, group=self.p2p_group, tag=o.tag))
-        works = dist.batch_isend_irecv(dops)
+            # gloo: each posted on its own (batch_isend_irecv's coalescing, which NCCL
+            # needs, costs gloo ~30 us a 64 KiB swap: 234 against 204-208 us)
+            dops.append(fn(t, o.peer, group=g, tag=o.tag) if gloo else
+                        dist.P2POp(fn, t, o.peer, group=g, tag=o.tag))
+        works = dops if gloo else dist.batch_isend_irecv(dops)
         what = p2p_label(ops)
 
         def copy_back() -> None:
