@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ..errors import ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from . import ring
-from .base import Plan, Primitive
+from .base import Plan, Primitive, steady_into
+
+_CPU = torch.device("cpu")
 
 
 class AllSumReduce(Primitive):
@@ -50,6 +54,14 @@ class AllSumReduce(Primitive):
         ring.all_reduce(self.world.transport, y, x.contiguous(), self.sub.group,
                         self.tag + (name == "adjoint"), self._backend)
         return y
+
+    def steady(self, plan: Plan):
+        shape, dt = plan.spec.local_shape, plan.spec.dtype
+        if not ring.backend_sums(shape, dt, self.sub.group):
+            return None, None
+        return tuple(steady_into(plan, shape, self.buffers.slot(name, shape, dt, _CPU),
+                                 self._backend, general)
+                     for name, general in (("out", self.forward), ("adjoint", self.adjoint)))
 
     def forward(self, x, plan: Plan):
         return self._sum(x, plan, "out")

@@ -202,6 +202,9 @@ class Plan:
     identity: bool = False
     fingerprint: int = 0
     slots: dict = field(default_factory=dict)  # name -> the pool's Slot (Primitive.buffer)
+    # F and F* in their steady form (Primitive.steady): block -> block, None: the general
+    fwd: Callable[[torch.Tensor], torch.Tensor] | None = None  # forward / adjoint
+    adj: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class Primitive(torch.nn.Module):
@@ -309,9 +312,24 @@ class Primitive(torch.nn.Module):
         else:
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
-        p = self._plans.get_or_make(spec, lambda: Plan(spec, out, local, identity, fp))
+        p = self._plans.get_or_make(spec, lambda: self._made(spec, out, local, identity, fp))
         self._last = (spec, p, grad)
         return p
+
+    def _made(self, spec: TensorSpec, out: TensorSpec, local: object, identity: bool,
+              fp: int) -> Plan:
+        p = Plan(spec, out, local, identity, fp)
+        if self.member and not identity and spec.device_type == "cpu":
+            p.fwd, p.adj = self.steady(p)
+        return p
+
+    def steady(self, plan: Plan) -> tuple[Callable | None, Callable | None]:
+        """F and F* for ``plan`` in their steady form, made once per plan: the common case
+        of :meth:`forward` and :meth:`adjoint` (host blocks of the plan's shapes) with its
+        buffers, collective and branches chosen here, a call doing only what moves data
+        (a block of another shape takes :meth:`forward` / :meth:`adjoint`). None: no
+        steady form (this one has none)."""
+        return None, None
 
     def buffer(self, plan: Plan, name: object, shape: Sequence[int], like: torch.Tensor
                ) -> torch.Tensor:
@@ -429,7 +447,8 @@ class Primitive(torch.nn.Module):
         prev = ctl.begin(self.participants, self._fwd_label, plan.fingerprint,
                          self.collective)
         try:
-            return self.forward(x, plan)
+            f = plan.fwd
+            return f(x) if f is not None else self.forward(x, plan)
         finally:
             ctl._op = prev
 
@@ -444,7 +463,8 @@ class Primitive(torch.nn.Module):
             prev = ctl.begin(self.participants, self._adj_label, plan.fingerprint + 1,
                              self.collective)
             try:
-                return self.adjoint(dy, plan)
+                f = plan.adj
+                return f(dy) if f is not None else self.adjoint(dy, plan)
             finally:
                 ctl._op = prev
         except BaseException as e:
@@ -485,6 +505,20 @@ class _LinearOp(torch.autograd.Function):
     @first_order
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan)
+
+
+def steady_into(plan: Plan, shape: tuple[int, ...], slot, run: Callable, general: Callable
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A steady form (:meth:`Primitive.steady`) that runs one prepared collective
+    ``run(out, block)`` into a tensor of the pool's ``slot``; a block not of ``shape`` (a
+    plan applied to blocks of another shape) takes ``general(block, plan)``."""
+    def body(x: torch.Tensor) -> torch.Tensor:
+        if x.shape != shape:
+            return general(x, plan)
+        out = slot.take()
+        run(out, x.contiguous())
+        return out
+    return body
 
 
 def opaque_spec(P: Partition, x: torch.Tensor, what: str, group: Group | None) -> TensorSpec:

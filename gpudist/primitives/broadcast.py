@@ -26,6 +26,8 @@ from ..transport.base import P2P, Group
 from .base import Plan, Primitive, opaque_spec, zero_volume
 from .ring import torch_sums
 
+_CPU = torch.device("cpu")
+
 
 @dataclass
 class _Fan:
@@ -249,6 +251,33 @@ class _FanPrimitive(Primitive):
     def make_plan(self, spec, out):
         return None, self.fans.identity
 
+    def steady_spread(self, plan: Plan, given: TensorSpec, many: TensorSpec, name: str,
+                      general: Callable) -> Callable | None:
+        """:meth:`spread`'s steady form for a worker with one role in the broadcast
+        (blocks of spec ``given`` in; None where it has both or none)."""
+        f = self.fans
+        run, shape = f._bcast, given.local_shape
+        if run is None:
+            return None
+        if f._recvs:
+            slot = self.buffers.slot(name, many.local_shape, given.dtype, _CPU)
+
+            def receive(x: torch.Tensor) -> torch.Tensor:
+                if x.shape != shape:
+                    return general(x, plan)
+                out = slot.take()
+                run(out)
+                return out
+            return receive
+        keeps, ndim = f._keeps_x, many.ndim
+
+        def send(x: torch.Tensor) -> torch.Tensor:
+            if x.shape != shape:
+                return general(x, plan)
+            run(x.contiguous())
+            return x if keeps else zero_volume(ndim, like=x)
+        return send
+
     def spread(self, x: torch.Tensor, plan: Plan, many: TensorSpec, name: str
                ) -> torch.Tensor:
         """Each 'one' worker's block to its 'many' workers (who receive into a pooled
@@ -302,6 +331,9 @@ class Broadcast(_FanPrimitive):
                    zip(view.placements, view.partition.shape, self.P_dst.shape))
         return TensorSpec(self.P_dst, spec.global_shape, spec.dtype, spec.device_type, pl)
 
+    def steady(self, plan: Plan):
+        return self.steady_spread(plan, plan.spec, plan.out, "out", self.forward), None
+
     def forward(self, x, plan: Plan):
         return self.spread(x, plan, plan.out, "out")
 
@@ -350,6 +382,9 @@ class SumReduce(_FanPrimitive):
         view = TensorSpec(self.view, spec.global_shape, spec.dtype, spec.device_type,
                           tuple(pl))
         return _transposed(view) if self.transpose_dst else view
+
+    def steady(self, plan: Plan):
+        return None, self.steady_spread(plan, plan.out, plan.spec, "adjoint", self.adjoint)
 
     def forward(self, x, plan: Plan):
         return self.sum_in(x, plan, plan.out, "out")

@@ -10,6 +10,7 @@ the plan keeps.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,9 @@ from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from . import ring
-from .base import Plan, Primitive
+from .base import Plan, Primitive, steady_into
+
+_CPU = torch.device("cpu")
 
 
 class _Along(Primitive):
@@ -49,6 +52,28 @@ class _Along(Primitive):
                   and self.order == sorted(self.order))
         me = self.sub.index if self.sub.active else 0
         return {"sizes": sizes, "direct": direct, "me": me, "full": shape}
+
+    def steady_gather(self, plan: Plan, given: TensorSpec, name: str, general: Callable
+                      ) -> Callable | None:
+        """:meth:`gather`'s steady form where the blocks go straight into the output
+        (blocks of spec ``given`` in)."""
+        lay = plan.local
+        if not lay["direct"]:
+            return None
+        slot = self.buffers.slot(name, lay["full"], given.dtype, _CPU)
+        return steady_into(plan, given.local_shape, slot, self._all_gather, general)
+
+    def steady_scatter(self, plan: Plan, given: TensorSpec, name: str, general: Callable
+                       ) -> Callable | None:
+        """:meth:`scatter`'s steady form where the sum comes straight out of the input in
+        one backend call (not the rings)."""
+        lay, shape = plan.local, given.local_shape
+        if not lay["direct"] or not ring.backend_sums(shape, given.dtype, self.sub.group):
+            return None
+        blk = list(shape)
+        blk[self.dim] = lay["sizes"][lay["me"]]
+        slot = self.buffers.slot(name, tuple(blk), given.dtype, _CPU)
+        return steady_into(plan, shape, slot, self._reduce_scatter_run, general)
 
     def gather(self, x: torch.Tensor, plan: Plan, name: str) -> torch.Tensor:
         """Concatenate the fiber's blocks along ``dim`` (``x`` is this worker's block)."""
@@ -131,6 +156,10 @@ class AllGather(_Along):
     def make_plan(self, spec, out):
         return self.layout(out), self.sub.group is None
 
+    def steady(self, plan: Plan):
+        return (self.steady_gather(plan, plan.spec, "out", self.forward),
+                self.steady_scatter(plan, plan.out, "adjoint", self.adjoint))
+
     def forward(self, x, plan: Plan):
         return self.gather(x, plan, "out")
 
@@ -160,6 +189,10 @@ class ReduceScatter(_Along):
 
     def make_plan(self, spec, out):
         return self.layout(spec), self.sub.group is None
+
+    def steady(self, plan: Plan):
+        return (self.steady_scatter(plan, plan.spec, "out", self.forward),
+                self.steady_gather(plan, plan.out, "adjoint", self.adjoint))
 
     def forward(self, x, plan: Plan):
         return self.scatter(x, plan, "out")

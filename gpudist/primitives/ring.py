@@ -17,7 +17,8 @@ backends' latency-bound algorithms faster, hence :data:`RING_MIN_BYTES`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +32,14 @@ def torch_sums(x: torch.Tensor) -> bool:
     """Whether host sums of ``x`` may run in torch's adds (the trees', the rings'): host
     memory, not a half type (those the backend sums: MPI in float32)."""
     return not x.is_cuda and x.dtype not in _HALF
+
+
+def backend_sums(shape: Sequence[int], dtype: torch.dtype, group: Group | None) -> bool:
+    """Whether a sum of host blocks of ``shape`` and ``dtype`` over ``group`` is one call
+    of the backend's collective (not rings, nor the half types' float32 staging)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (group is not None and dtype not in _HALF
+            and math.prod(shape) * size < RING_MIN_BYTES)
 
 
 def _rings(x: torch.Tensor, group: Group | None) -> bool:
