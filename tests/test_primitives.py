@@ -317,6 +317,48 @@ def test_fan_sums_in_two_roles(cluster, backend):
     assert all(a[0] == a[-1] for _, a in res), res  # nothing allocated after the first cycle
 
 
+def _steady_forms():
+    """Each primitive with a steady form, called twice with the same spec (the second
+    call takes the steady path), forward and adjoint: every result equals the general
+    path (``forward`` / ``adjoint`` on the plan) exactly; the steady forms are made where
+    expected; a block of another shape under the plan (batch norm applies one plan to
+    two shapes) takes the general path."""
+    w = gpudist.world()
+    n = w.size
+    P, root = Partition.grid((n,)), Partition.root(1, 0)
+    torch.manual_seed(w.rank)
+    f64 = torch.float64
+    cases = [  # (op, input spec, [steady forward made, steady adjoint made])
+        (Broadcast(root, P), TensorSpec(root, (15,), f64, "cpu"), [True, False]),
+        (SumReduce(P, root), TensorSpec(P, (15,), f64, "cpu", (PARTIAL,)), [False, True]),
+        (AllSumReduce(P, axes=(0,)), TensorSpec(P, (12,), f64, "cpu", (PARTIAL,)),
+         [True, True]),
+        (AllGather(P, 0, 0), TensorSpec(P, (2 * n,), f64, "cpu"), [True, True]),
+        (ReduceScatter(P, 0, 0), TensorSpec(P, (2 * n,), f64, "cpu", (PARTIAL,)),
+         [True, True]),
+    ]
+    ok = True
+    for op, spec, made in cases:
+        x = torch.randn(spec.local_shape, dtype=f64)
+        xd = DistTensor(x, spec)
+        y1, y2 = op(xd).local.clone(), op(xd).local.clone()
+        plan = op._last[1]
+        y0 = op.forward(x, plan)
+        dy = torch.randn(y0.shape, dtype=f64)
+        a1, a0 = op.run_adjoint(dy, plan).clone(), op.adjoint(dy, plan)
+        ok = ok and torch.equal(y1, y0) and torch.equal(y2, y0) and torch.equal(a1, a0)
+        ok = ok and [plan.fwd is not None, plan.adj is not None] == made
+        if isinstance(op, AllSumReduce):  # the same plan on a block of another shape
+            z = torch.ones(7, dtype=f64)
+            ok = ok and torch.equal(op.run_forward(z, plan), torch.full((7,), float(n),
+                                                                        dtype=f64))
+    return ok
+
+
+def test_steady_forms_equal_the_general_path(cluster, backend):
+    assert all(cluster.run(3, _steady_forms, backend=backend))
+
+
 def test_plan_buffers_kept_per_name_shape_dtype():
     """A plan keeps its buffers' slots by name: a repeated call gets the same storage
     back once the last result is dropped, a second live result its own, and a call with
