@@ -336,6 +336,9 @@ def _steady_forms():
         (AllGather(P, 0, 0), TensorSpec(P, (2 * n,), f64, "cpu"), [True, True]),
         (ReduceScatter(P, 0, 0), TensorSpec(P, (2 * n,), f64, "cpu", (PARTIAL,)),
          [True, True]),
+        # rows to columns: the forward packs strided columns, the adjoint unpacks them
+        (Repartition(Partition.grid((n, 1)), Partition.grid((1, n))),
+         TensorSpec(Partition.grid((n, 1)), (3 * n, n), f64, "cpu"), [True, True]),
     ]
     ok = True
     for op, spec, made in cases:

@@ -29,7 +29,7 @@ import torch
 from ..buffers import nbytes
 from ..errors import HaloError, ShapeError, raised_everywhere
 from ..kernels import Packers
-from ..kernels.regions import box_shape, collapse, dense_strides
+from ..kernels.regions import box_views, collapse, dense_strides
 from ..partition import Partition
 from ..transport.base import P2P, P2PProgram, Work
 from .geometry import HaloGeometry, WorkerHalo
@@ -151,20 +151,9 @@ class _Wired:
         self.pack_views = self.unpack_views = None
         if torch_packer:
             strides = dense_strides(shape)
-            self.pack_views = _views(sbuf, move.pack, strides)
-            self.unpack_views = _views(rbuf, [b for _, _, bs in move.unpack for b in bs],
-                                       strides)
-
-
-def _views(buf: torch.Tensor, boxes: Sequence[Box], strides: Sequence[int]) -> tuple:
-    """Per box (in buffer order): (its view of ``buf``, shape, strides, offset in W)."""
-    out, at = [], 0
-    for box in boxes:
-        shape, n = box_shape(box), numel(box)
-        out.append((buf[at:at + n].view(shape), shape, tuple(strides),
-                    sum(lo * st for (lo, _), st in zip(box, strides))))
-        at += n
-    return tuple(out)
+            self.pack_views = box_views(sbuf, move.pack, strides)
+            self.unpack_views = box_views(rbuf, [b for _, _, bs in move.unpack for b in bs],
+                                          strides)
 
 
 def _overlap(a: Box, b: Box) -> bool:

@@ -56,6 +56,20 @@ def box_numel(box: Box) -> int:
     return math.prod(hi - lo for lo, hi in box)
 
 
+def box_views(buf: torch.Tensor, boxes: Sequence[Box], strides: Sequence[int]) -> tuple:
+    """Per box, back to back in ``buf``: (its view of ``buf``, its shape, ``strides``, its
+    offset in a contiguous tensor of those strides). A copy between the view and
+    ``t.as_strided(shape, strides, t.storage_offset() + offset)`` packs or unpacks the box
+    with no per-call planning (the torch packer's work, prepared once)."""
+    out, at = [], 0
+    for box in boxes:
+        shape, n = box_shape(box), box_numel(box)
+        out.append((buf[at:at + n].view(shape), shape, tuple(strides),
+                    sum(lo * st for (lo, _), st in zip(box, strides))))
+        at += n
+    return tuple(out)
+
+
 def total_numel(regions: Sequence[Box]) -> int:
     return sum(box_numel(b) for b in regions)
 

@@ -15,19 +15,20 @@ staging buffer the plan keeps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..kernels import Packers
-from ..kernels.regions import collapse, dense_strides
+from ..kernels.regions import box_views, collapse, dense_strides
 from ..partition import Partition
 from ..spec import DistTensor, TensorSpec
 from .base import Plan, Primitive, zero_volume
 
 Box = tuple[tuple[int, int], ...]
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -165,6 +166,54 @@ class Repartition(Primitive):
         if recv.run is None:
             self._packers.of(out).unpack(rbuf, out, recv.moved)
         return out
+
+    def steady(self, plan: Plan):
+        if self.group is None:  # (one worker: a local copy)
+            return None, None
+        send, recv, even = plan.local
+        return (self._steady_move(plan, send, recv, "out", even, plan.spec, self.P_out,
+                                  plan.out, self.forward),
+                self._steady_move(plan, recv, send, "adjoint", even, plan.out, self.P_in,
+                                  plan.spec, self.adjoint))
+
+    def _steady_move(self, plan: Plan, send: _Side, recv: _Side, name: str, even: bool,
+                     given: TensorSpec, P_to: Partition, result: TensorSpec,
+                     general: Callable) -> Callable | None:
+        """:meth:`_move`'s steady form for host blocks of spec ``given``: the all-to-all
+        prepared with its counts, and each packed or unpacked box a view of a buffer kept
+        for it (:func:`~gpudist.kernels.regions.box_views`, the torch packer's work done
+        once), where the torch packer serves."""
+        dt, shape = given.dtype, given.local_shape
+        if self._packers.of(torch.empty(0, dtype=dt)).name != "torch":
+            return None
+        a2a = self.world.transport.prepare("all_to_all", self.group,
+                                           splits=(recv.counts, send.counts, even))
+        slot = self.buffers.slot(name, recv.shape, dt, _CPU)
+        packs = unpacks = sbuf = rbuf = None
+        if send.run is None:  # (kept by the closure: never handed out)
+            sbuf = self.buffers.get(name + "-send", (send.total,), dt, _CPU)
+            packs = box_views(sbuf, send.moved, dense_strides(shape))
+        if recv.run is None:
+            rbuf = self.buffers.get(name + "-recv", (recv.total,), dt, _CPU)
+            unpacks = box_views(rbuf, recv.moved, dense_strides(recv.shape))
+        s_at, r_at, active, ndim = send.run, recv.run, P_to.active, result.ndim
+
+        def body(x: torch.Tensor) -> torch.Tensor:
+            if x.shape != shape:
+                return general(x, plan)
+            x, out = x.contiguous(), slot.take()
+            if packs is None:
+                s = x.view(-1)[s_at:s_at + send.total]
+            else:
+                x0, s = x.storage_offset(), sbuf
+                for view, shp, st, at in packs:
+                    view.copy_(x.as_strided(shp, st, x0 + at))
+            a2a(rbuf if unpacks is not None else out.view(-1)[r_at:r_at + recv.total], s)
+            if unpacks is not None:
+                for view, shp, st, at in unpacks:
+                    out.as_strided(shp, st, at).copy_(view)
+            return out if active else zero_volume(ndim, like=x)
+        return body
 
     def forward(self, x, plan: Plan):
         send, recv, even = plan.local

@@ -273,17 +273,22 @@ class Transport(ABC):
         ``even``: every member sends every member the same count (the caller knows it for
         all members, so a backend may use its regular all-to-all on every rank alike)."""
 
-    def prepare(self, kind: str, group: Group, root: int | None = None
+    def prepare(self, kind: str, group: Group, root: int | None = None,
+                splits: tuple[Sequence[int], Sequence[int], bool] | None = None
                 ) -> Callable[..., None]:
         """A collective on ``group`` made ready once, to be run again and again (an
         operator keeps it): ``run(t)`` for ``kind`` "broadcast" (from ``root``),
         ``run(out, inp)`` for "all_reduce" (``out`` = the sum of the members' ``inp``),
-        "all_gather" and "reduce_scatter"; each posts the collective and waits. This one
-        is the general method and :meth:`wait`; a backend may return a leaner one (MPI
-        posts and polls its request with nothing in between)."""
+        "all_gather", "reduce_scatter" and "all_to_all" (``splits``: its ``out_splits``,
+        ``in_splits`` and ``even``); each posts the collective and waits. This one is the
+        general method and :meth:`wait`; a backend may return a leaner one (MPI posts and
+        polls its request with nothing in between)."""
         wait = self.wait
         if kind == "broadcast":
             return lambda t: wait([self.broadcast(t, root, group)])
+        if kind == "all_to_all":
+            o, i, even = splits
+            return lambda out, inp: wait([self.all_to_all(out, inp, o, i, group, even)])
         if kind == "all_reduce":
             return lambda out, inp: wait([self.all_reduce(out, group, src=inp)])
         if kind == "all_gather":

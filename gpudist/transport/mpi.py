@@ -234,11 +234,13 @@ class MPITransport(Transport):
         req = group.handle.Ibcast(buf, root=group.index(src))
         return self._work(req, what, s, tensor)
 
-    def prepare(self, kind, group, root=None):
+    def prepare(self, kind, group, root=None, splits=None):
         """Host memory MPI takes by address: the request posted and polled directly
         (anything else: the general call)."""
-        general = super().prepare(kind, group, root)
+        general = super().prepare(kind, group, root, splits)
         h, direct, done = group.handle, self._direct, self._complete
+        if kind == "all_to_all" and not splits[2]:
+            return self._prepared_all_to_allv(general, group, splits)
         if kind == "broadcast":
             post, at, label = h.Ibcast, group.index(root), group.doing("broadcast from", root)
 
@@ -248,9 +250,9 @@ class MPITransport(Transport):
                     return general(t)
                 done(post(b, root=at), label, t)
             return bcast
-        typed = kind != "all_gather"  # (the sums' buffers carry their MPI type)
+        typed = kind not in ("all_gather", "all_to_all")  # (sums carry their MPI type)
         post = {"all_reduce": h.Iallreduce, "all_gather": h.Iallgather,
-                "reduce_scatter": h.Ireduce_scatter_block}[kind]
+                "reduce_scatter": h.Ireduce_scatter_block, "all_to_all": h.Ialltoall}[kind]
         label, sums = group.doing(kind.replace("_", "-")), self._sum
 
         def run(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -258,6 +260,28 @@ class MPITransport(Transport):
             if ob is None or ib is None:
                 return general(out, inp)
             done(post(ib, ob, op=sums(inp)) if typed else post(ib, ob), label, (out, inp))
+        return run
+
+    def _prepared_all_to_allv(self, general, group, splits):
+        """:meth:`prepare`'s uneven all-to-all: counts and displacements in bytes, made
+        once per element size."""
+        o, i, _ = splits
+        post, addr, byte, done = group.handle.Ialltoallv, self._address, self.MPI.BYTE, \
+            self._complete
+        label, layouts = group.doing("all-to-all"), {}
+
+        def layout(e: int) -> tuple:
+            def cd(splits):
+                c = [x * e for x in splits]
+                return c, [sum(c[:j]) for j in range(len(c))]
+            return layouts.setdefault(e, (cd(i), cd(o)))
+
+        def run(out: torch.Tensor, inp: torch.Tensor) -> None:
+            if not (self._by_address(out) and self._by_address(inp)):
+                return general(out, inp)
+            ins, outs = layout(inp.element_size())
+            done(post([addr(inp.data_ptr(), inp.nbytes), ins, byte],
+                      [addr(out.data_ptr(), out.nbytes), outs, byte]), label, (out, inp))
         return run
 
     def _complete(self, req, what: Label, keep: object) -> None:
