@@ -371,6 +371,27 @@ def _kept():
     return w.rank, b.kept_nbytes(), s.kept_nbytes()
 
 
+def _kept_by_direction():
+    """A Repartition's kept bytes after forwards only, then after a backward too."""
+    P_rows, P_cols = Partition.grid((3, 1)), Partition.grid((1, 3))
+    op = Repartition(P_rows, P_cols)
+    x = DistTensor.from_local(torch.rand(3, 3, requires_grad=True), P_rows, (9, 3))
+    for _ in range(2):  # (the last output dropped first: its buffer is taken again)
+        y = None
+        y = op(x)
+    fwd = op.kept_nbytes()
+    y.local.sum().backward()
+    return fwd, op.kept_nbytes()
+
+
+def test_kept_bytes_by_direction(cluster, backend):
+    """Rows to columns over 3 ranks, float32: the forward keeps its output (9 entries)
+    and its packed columns (9); the adjoint's buffers (its output, its received columns
+    to unpack) appear only once a backward ran (they were made with the plan before)."""
+    for fwd, both in cluster.run(3, _kept_by_direction, backend=backend):
+        assert (fwd, both) == (72, 144), (fwd, both)
+
+
 def test_kept_bytes(cluster, backend):
     """What the bench reports as kept: the root's Broadcast returns its input (nothing
     kept), the others' receive into a pooled block; SumReduce's root keeps its sum and the

@@ -329,8 +329,8 @@ def _steady_forms():
     torch.manual_seed(w.rank)
     f64 = torch.float64
     cases = [  # (op, input spec, [steady forward made, steady adjoint made])
-        (Broadcast(root, P), TensorSpec(root, (15,), f64, "cpu"), [True, False]),
-        (SumReduce(P, root), TensorSpec(P, (15,), f64, "cpu", (PARTIAL,)), [False, True]),
+        (Broadcast(root, P), TensorSpec(root, (15,), f64, "cpu"), [True, True]),
+        (SumReduce(P, root), TensorSpec(P, (15,), f64, "cpu", (PARTIAL,)), [True, True]),
         (AllSumReduce(P, axes=(0,)), TensorSpec(P, (12,), f64, "cpu", (PARTIAL,)),
          [True, True]),
         (AllGather(P, 0, 0), TensorSpec(P, (2 * n,), f64, "cpu"), [True, True]),

@@ -142,6 +142,55 @@ class FanPlan:
         tr.wait(works)
         return out
 
+    def steady_tree_sum(self, out: Callable[[], torch.Tensor] | None,
+                        buffer: Callable[[str, tuple[int, ...]], torch.Tensor],
+                        x_shape: tuple[int, ...], out_shape: tuple[int, ...], tag: int
+                        ) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """:meth:`_tree_sum`'s steady form for a worker in one tree (None where it sums in
+        two): its rounds' messages found once, its kept buffers taken at its first call
+        (``buffer(name, shape)``; none for a direction never run); ``out()`` hands out the
+        root's output. The form returns the sum on the fan's root, None elsewhere."""
+        me = self.world.rank
+        if self.mine_one is None and (self.mine_many is None or self.mine_many.one == me):
+            return None
+        if self.mine_one is not None and self.mine_many is not None and \
+                self.mine_many.one != me:
+            return None
+        root = self.mine_one is not None
+        t = self.tree_one if root else self.tree_many
+        k = len(t.children)
+        kept: list = []  # (the member's first buffer, the buffer of later children's sums)
+        rounds = [(t.parent[1] if t.parent is not None and t.parent[0] == r else None,
+                   next((c for when, c in t.children if when == r), None))
+                  for r in range(t.rounds)]
+        tr, has_x = self.world.transport, t.has_x
+
+        def run(x: torch.Tensor) -> torch.Tensor | None:
+            if not kept:
+                kept.append(None if root or not k else buffer("partial", x_shape))
+                kept.append(None if k < 2 else buffer("root" if root else "partial-more",
+                                                      out_shape if root else x_shape))
+            first, more = (out() if root else kept[0]), kept[1]
+            acc = None
+            for parent, child in rounds:
+                ops = []
+                if parent is not None:
+                    ops.append(P2P("send", x if acc is None else acc, parent, tag))
+                if child is not None:
+                    ops.append(P2P("recv", first if acc is None else more, child, tag))
+                tr.wait(tr.batch_p2p(ops))
+                if child is not None:
+                    if acc is None:
+                        acc = first.add_(x) if has_x else first
+                    else:
+                        acc.add_(more)
+            if not root:
+                return None
+            if acc is None:  # a fan of one worker
+                return first.copy_(x) if has_x else first.zero_()
+            return acc
+        return run
+
     def _tree_sum(self, x: torch.Tensor, out: torch.Tensor | None,
                   buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int
                   ) -> torch.Tensor | None:
@@ -278,6 +327,28 @@ class _FanPrimitive(Primitive):
             return x if keeps else zero_volume(ndim, like=x)
         return send
 
+    def steady_sum_in(self, plan: Plan, given: TensorSpec, one: TensorSpec, name: str,
+                      general: Callable) -> Callable | None:
+        """:meth:`sum_in`'s steady form where the sum is a tree of host messages and this
+        worker sums in one tree (blocks of spec ``given`` in)."""
+        dt, shape, f = given.dtype, given.local_shape, self.fans
+        if not torch_sums(torch.empty(0, dtype=dt)):
+            return None
+        slot = self.buffers.slot(name, one.local_shape, dt, _CPU) if f.mine_one else None
+        run = f.steady_tree_sum(slot.take if slot is not None else None,
+                                lambda what, shp: self.buffers.get((name, what), shp, dt, _CPU),
+                                shape, one.local_shape, self.tag)
+        if run is None:
+            return None
+        ndim = one.ndim
+
+        def body(x: torch.Tensor) -> torch.Tensor:
+            if x.shape != shape:
+                return general(x, plan)
+            y = run(x.contiguous())
+            return y if y is not None else zero_volume(ndim, like=x)
+        return body
+
     def spread(self, x: torch.Tensor, plan: Plan, many: TensorSpec, name: str
                ) -> torch.Tensor:
         """Each 'one' worker's block to its 'many' workers (who receive into a pooled
@@ -332,7 +403,8 @@ class Broadcast(_FanPrimitive):
         return TensorSpec(self.P_dst, spec.global_shape, spec.dtype, spec.device_type, pl)
 
     def steady(self, plan: Plan):
-        return self.steady_spread(plan, plan.spec, plan.out, "out", self.forward), None
+        return (self.steady_spread(plan, plan.spec, plan.out, "out", self.forward),
+                self.steady_sum_in(plan, plan.out, plan.spec, "adjoint", self.adjoint))
 
     def forward(self, x, plan: Plan):
         return self.spread(x, plan, plan.out, "out")
@@ -384,7 +456,8 @@ class SumReduce(_FanPrimitive):
         return _transposed(view) if self.transpose_dst else view
 
     def steady(self, plan: Plan):
-        return None, self.steady_spread(plan, plan.out, plan.spec, "adjoint", self.adjoint)
+        return (self.steady_sum_in(plan, plan.spec, plan.out, "out", self.forward),
+                self.steady_spread(plan, plan.out, plan.spec, "adjoint", self.adjoint))
 
     def forward(self, x, plan: Plan):
         return self.sum_in(x, plan, plan.out, "out")

@@ -189,18 +189,26 @@ class Repartition(Primitive):
         a2a = self.world.transport.prepare("all_to_all", self.group,
                                            splits=(recv.counts, send.counts, even))
         slot = self.buffers.slot(name, recv.shape, dt, _CPU)
-        packs = unpacks = sbuf = rbuf = None
-        if send.run is None:  # (kept by the closure: never handed out)
-            sbuf = self.buffers.get(name + "-send", (send.total,), dt, _CPU)
-            packs = box_views(sbuf, send.moved, dense_strides(shape))
-        if recv.run is None:
-            rbuf = self.buffers.get(name + "-recv", (recv.total,), dt, _CPU)
-            unpacks = box_views(rbuf, recv.moved, dense_strides(recv.shape))
         s_at, r_at, active, ndim = send.run, recv.run, P_to.active, result.ndim
+        kept: list = []  # (send buffer, its views, receive buffer, its views): taken at
+        # the first call (none for a direction never run), kept by the closure (never
+        # handed out)
+
+        def buffers() -> list:
+            sbuf = rbuf = packs = unpacks = None
+            if s_at is None:
+                sbuf = self.buffers.get(name + "-send", (send.total,), dt, _CPU)
+                packs = box_views(sbuf, send.moved, dense_strides(shape))
+            if r_at is None:
+                rbuf = self.buffers.get(name + "-recv", (recv.total,), dt, _CPU)
+                unpacks = box_views(rbuf, recv.moved, dense_strides(recv.shape))
+            kept.extend((sbuf, packs, rbuf, unpacks))
+            return kept
 
         def body(x: torch.Tensor) -> torch.Tensor:
             if x.shape != shape:
                 return general(x, plan)
+            sbuf, packs, rbuf, unpacks = kept or buffers()
             x, out = x.contiguous(), slot.take()
             if packs is None:
                 s = x.view(-1)[s_at:s_at + send.total]
