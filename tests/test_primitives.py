@@ -301,8 +301,8 @@ def _fan_sums_in_two_roles(cycles):
         for s in range(3):
             x = torch.full((s + 1, 3), float(w.rank + 1), dtype=torch.float64)
             out = pool.get("out", x.shape, x.dtype, x.device) if f.mine_one else None
-            y = f.reduce(x, out, lambda what, like: pool.get(what, like.shape, like.dtype,
-                                                             like.device), 32)
+            y = f.reduce(x, out, lambda what, shape: pool.get(what, shape, torch.float64,
+                                                              torch.device("cpu")), 32)
             ok = ok and bool((x == w.rank + 1).all())
             if f.mine_one is not None:
                 ok = ok and bool((y == sum(r + 1 for r in f.mine_one.many)).all())

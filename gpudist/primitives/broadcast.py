@@ -13,6 +13,7 @@ own communicator; a rank may be the 'one' of a fan and a 'many' of another.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ class FanPlan:
             f = self.mine_one if self._sends else self.mine_many
             self._bcast = self.world.transport.prepare("broadcast", f.group, f.one)
         self._keeps_x = self.mine_many is not None and self.mine_many.one == me
-        # this worker's places in the trees of the host sums (:meth:`_tree_sum`)
+        # this worker's places in the trees of the host sums (:meth:`tree_sums`)
         self.tree_one = _Tree.of(self.mine_one, me) if self.mine_one is not None else None
         self.tree_many = _Tree.of(self.mine_many, me) if self.mine_many is not None else None
 
@@ -114,23 +115,25 @@ class FanPlan:
         return x if self._keeps_x else out
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor | None,
-               buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int
+               buffer: Callable[[str, tuple[int, ...]], torch.Tensor], tag: int
                ) -> torch.Tensor | None:
         """'many' workers send ``x``; each 'one' worker returns its fan's sum in ``out``.
-        ``buffer(name, like)`` hands out a kept tensor shaped like ``like``.
+        ``buffer(name, shape)`` hands out a kept tensor of that shape (``x``'s dtype and
+        device).
 
         Host tensors: a binomial tree of point-to-point messages over each fan (tagged
-        ``tag``: the operator's own), summed by torch (:meth:`_tree_sum`); device tensors
+        ``tag``: the operator's own), summed by torch (:meth:`tree_sums`); device tensors
         and half types (which MPI sums in float32): the backend's reduce."""
         if torch_sums(x):
-            return self._tree_sum(x, out, buffer, tag)
+            shapes = (tuple(x.shape), tuple(out.shape) if out is not None else ())
+            return self.tree_sums(lambda: out, buffer, *shapes, tag)(x)
         me, tr, works = self.world.rank, self.world.transport, []
         one, many = self.mine_one, self.mine_many
         sends = many is not None and many.one != me and many.group is not None
         for part in (("recv", "send") if self.one_first else ("send", "recv")):
             if part == "send" and sends:
                 if not tr.reduce_keeps_input:  # the backend may use its input as scratch
-                    x = buffer("scratch", x).copy_(x)
+                    x = buffer("scratch", tuple(x.shape)).copy_(x)
                 works.append(tr.reduce(x, many.one, many.group))
             elif part == "recv" and one is not None:
                 if me in one.many:
@@ -142,118 +145,64 @@ class FanPlan:
         tr.wait(works)
         return out
 
-    def steady_tree_sum(self, out: Callable[[], torch.Tensor] | None,
-                        buffer: Callable[[str, tuple[int, ...]], torch.Tensor],
-                        x_shape: tuple[int, ...], out_shape: tuple[int, ...], tag: int
-                        ) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-        """:meth:`_tree_sum`'s steady form for a worker in one tree (None where it sums in
-        two): its rounds' messages found once, its kept buffers taken at its first call
-        (``buffer(name, shape)``; none for a direction never run); ``out()`` hands out the
-        root's output. The form returns the sum on the fan's root, None elsewhere."""
+    def tree_sums(self, out: Callable[[], torch.Tensor] | None,
+                  buffer: Callable[[str, tuple[int, ...]], torch.Tensor],
+                  x_shape: tuple[int, ...], out_shape: tuple[int, ...], tag: int
+                  ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """The fans' sums over binomial trees (:class:`_Tree`), made ready for blocks of
+        ``x_shape``: ``run(x)`` returns the fan's sum on its root (``out()`` hands out that
+        output), None elsewhere. In round ``r`` a worker receives a child's partial sum and
+        adds it to its own, or sends its partial sum to its parent and is done; a worker
+        that is the root of one fan and a member of another runs both trees' rounds
+        together. The rounds are found here, the kept buffers (``buffer(name, shape)``) at
+        the first run: a plan's steady form keeps the runner, a general call makes one.
+        Measured against the backend's reduce of host memory, 2 ranks, one per core: 0.09
+        against 0.16 ms (MPI's persistent reduce) at 1 MiB, 17.5 against 39 ms at 128
+        MiB; gloo 5.2 against 11.5 ms at 16 MiB."""
         me = self.world.rank
-        if self.mine_one is None and (self.mine_many is None or self.mine_many.one == me):
-            return None
-        if self.mine_one is not None and self.mine_many is not None and \
-                self.mine_many.one != me:
-            return None
-        root = self.mine_one is not None
-        t = self.tree_one if root else self.tree_many
-        k = len(t.children)
-        kept: list = []  # (the member's first buffer, the buffer of later children's sums)
-        rounds = [(t.parent[1] if t.parent is not None and t.parent[0] == r else None,
-                   next((c for when, c in t.children if when == r), None))
-                  for r in range(t.rounds)]
-        tr, has_x = self.world.transport, t.has_x
+        trees = []  # (tree, whether this worker is its root): the root's first
+        if self.mine_one is not None:
+            trees.append((self.tree_one, True))
+        if self.mine_many is not None and self.mine_many.one != me:
+            trees.append((self.tree_many, False))
+        rounds = [[(t.parent[1] if t.parent is not None and t.parent[0] == r else None,
+                    next((c for when, c in t.children if when == r), None))
+                   for r in range(t.rounds)] for t, _ in trees]
+        steps = list(itertools.zip_longest(*rounds, fillvalue=(None, None)))
+        has_x = [t.has_x for t, _ in trees]
+        tr, kept = self.world.transport, []  # kept: per tree (first buffer, more buffer)
 
         def run(x: torch.Tensor) -> torch.Tensor | None:
             if not kept:
-                kept.append(None if root or not k else buffer("partial", x_shape))
-                kept.append(None if k < 2 else buffer("root" if root else "partial-more",
-                                                      out_shape if root else x_shape))
-            first, more = (out() if root else kept[0]), kept[1]
-            acc = None
-            for parent, child in rounds:
-                ops = []
-                if parent is not None:
-                    ops.append(P2P("send", x if acc is None else acc, parent, tag))
-                if child is not None:
-                    ops.append(P2P("recv", first if acc is None else more, child, tag))
+                for t, root in trees:
+                    k, shape = len(t.children), out_shape if root else x_shape
+                    kept.append((None if root or not k else buffer("partial", x_shape),
+                                 None if k < 2 else buffer("root" if root else
+                                                           "partial-more", shape)))
+            acc = [out() if root else first for (_, root), (first, _) in zip(trees, kept)]
+            summed = [False] * len(trees)  # whether acc[i] holds a child's sum yet
+            for step in steps:
+                ops, adding = [], []
+                for i, (parent, child) in enumerate(step):
+                    if parent is not None:
+                        ops.append(P2P("send", acc[i] if summed[i] else x, parent, tag))
+                    if child is not None:
+                        ops.append(P2P("recv", kept[i][1] if summed[i] else acc[i], child,
+                                       tag))
+                        adding.append(i)
                 tr.wait(tr.batch_p2p(ops))
-                if child is not None:
-                    if acc is None:
-                        acc = first.add_(x) if has_x else first
-                    else:
-                        acc.add_(more)
-            if not root:
+                for i in adding:  # the first child's sum landed in acc[i], later ones in
+                    if summed[i]:  # the tree's kept buffer
+                        acc[i].add_(kept[i][1])
+                    elif has_x[i]:
+                        acc[i].add_(x)
+                    summed[i] = True
+            if self.mine_one is None:
                 return None
-            if acc is None:  # a fan of one worker
-                return first.copy_(x) if has_x else first.zero_()
-            return acc
+            if not summed[0]:  # a fan of one worker
+                return acc[0].copy_(x) if has_x[0] else acc[0].zero_()
+            return acc[0]
         return run
-
-    def _tree_sum(self, x: torch.Tensor, out: torch.Tensor | None,
-                  buffer: Callable[[str, torch.Tensor], torch.Tensor], tag: int
-                  ) -> torch.Tensor | None:
-        """The fans' sums over binomial trees (:class:`_Tree`): in round ``r`` a worker
-        receives a child's partial sum and adds it to its own, or sends its partial sum to
-        its parent and is done. Measured against the backend's reduce of host memory, 2
-        ranks, one per core: 0.09 against 0.16 ms (MPI's persistent reduce) at 1 MiB,
-        17.5 against 39 ms at 128 MiB; gloo 5.2 against 11.5 ms at 16 MiB. A rank that is
-        the root of one fan and a member of another runs both trees' rounds together."""
-        tr, me = self.world.transport, self.world.rank
-        sums = []  # the trees this worker sums in: as a fan's root, as a member of another
-        if self.mine_one is not None:
-            t = self.tree_one
-            sums.append(_Summing(t, tag, out,
-                                 buffer("root", out) if len(t.children) > 1 else None))
-        if self.mine_many is not None and self.mine_many.one != me:
-            t, n = self.tree_many, len(self.tree_many.children)
-            sums.append(_Summing(t, tag, buffer("partial", x) if n else None,
-                                 buffer("partial-more", x) if n > 1 else None))
-        for r in range(max((s.tree.rounds for s in sums), default=0)):
-            ops, adding = [], []
-            for s in sums:
-                if s.post(r, x, ops):
-                    adding.append(s)
-            tr.wait(tr.batch_p2p(ops))
-            for s in adding:
-                s.add(x)
-        if self.mine_one is None:
-            return None
-        if sums[0].acc is None:  # a fan of one worker
-            return out.copy_(x) if self.tree_one.has_x else out.zero_()
-        return out
-
-
-@dataclass
-class _Summing:
-    """One tree's sum in progress on this worker: ``first`` receives its first child's
-    partial sum (the root's output, or a kept buffer), ``more`` each later child's; ``acc``
-    is the partial sum so far (None: this worker's block alone)."""
-
-    tree: _Tree
-    tag: int
-    first: torch.Tensor | None
-    more: torch.Tensor | None
-    acc: torch.Tensor | None = None
-
-    def post(self, r: int, x: torch.Tensor, ops: list[P2P]) -> bool:
-        """Round ``r``'s message (send up, or receive a child's sum); whether it receives."""
-        t = self.tree
-        if t.parent is not None and t.parent[0] == r:
-            ops.append(P2P("send", x if self.acc is None else self.acc, t.parent[1], self.tag))
-        child = next((c for when, c in t.children if when == r), None)
-        if child is not None:
-            ops.append(P2P("recv", self.first if self.acc is None else self.more, child,
-                           self.tag))
-        return child is not None
-
-    def add(self, x: torch.Tensor) -> None:
-        """Add the child's sum just received."""
-        if self.acc is None:  # it landed in ``first``, which becomes the partial sum
-            self.acc = self.first.add_(x) if self.tree.has_x else self.first
-        else:
-            self.acc.add_(self.more)
 
 
 @dataclass(frozen=True)
@@ -329,17 +278,15 @@ class _FanPrimitive(Primitive):
 
     def steady_sum_in(self, plan: Plan, given: TensorSpec, one: TensorSpec, name: str,
                       general: Callable) -> Callable | None:
-        """:meth:`sum_in`'s steady form where the sum is a tree of host messages and this
-        worker sums in one tree (blocks of spec ``given`` in)."""
+        """:meth:`sum_in`'s steady form where the sum is a tree of host messages (blocks
+        of spec ``given`` in): the trees' runner made once."""
         dt, shape, f = given.dtype, given.local_shape, self.fans
         if not torch_sums(torch.empty(0, dtype=dt)):
             return None
         slot = self.buffers.slot(name, one.local_shape, dt, _CPU) if f.mine_one else None
-        run = f.steady_tree_sum(slot.take if slot is not None else None,
-                                lambda what, shp: self.buffers.get((name, what), shp, dt, _CPU),
-                                shape, one.local_shape, self.tag)
-        if run is None:
-            return None
+        run = f.tree_sums(slot.take if slot is not None else None,
+                          lambda what, shp: self.buffers.get((name, what), shp, dt, _CPU),
+                          shape, one.local_shape, self.tag)
         ndim = one.ndim
 
         def body(x: torch.Tensor) -> torch.Tensor:
@@ -367,8 +314,8 @@ class _FanPrimitive(Primitive):
         if self.fans.mine_one is not None:
             out = self.buffer(plan, name, one.local_shape, x)
         x = x.contiguous()
-        y = self.fans.reduce(x, out, lambda what, like: self.buffer(
-            plan, (name, what), like.shape, like), self.tag)
+        y = self.fans.reduce(x, out, lambda what, shape: self.buffer(
+            plan, (name, what), shape, x), self.tag)
         return y if y is not None else zero_volume(one.ndim, like=x)
 
 

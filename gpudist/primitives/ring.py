@@ -36,15 +36,18 @@ def torch_sums(x: torch.Tensor) -> bool:
 
 def backend_sums(shape: Sequence[int], dtype: torch.dtype, group: Group | None) -> bool:
     """Whether a sum of host blocks of ``shape`` and ``dtype`` over ``group`` is one call
-    of the backend's collective (not rings, nor the half types' float32 staging)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (group is not None and dtype not in _HALF
-            and math.prod(shape) * size < RING_MIN_BYTES)
+    of the backend's collective (what :func:`all_reduce` and :func:`reduce_scatter` do
+    below the rings' size)."""
+    return group is not None and not _ring_sized(math.prod(shape) * dtype.itemsize,
+                                                 dtype, group)
+
+
+def _ring_sized(nbytes: int, dtype: torch.dtype, group: Group) -> bool:
+    return group.size > 1 and nbytes >= RING_MIN_BYTES and dtype not in _HALF
 
 
 def _rings(x: torch.Tensor, group: Group | None) -> bool:
-    return (group is not None and group.size > 1 and x.nbytes >= RING_MIN_BYTES
-            and torch_sums(x))
+    return group is not None and not x.is_cuda and _ring_sized(x.nbytes, x.dtype, group)
 
 
 def _chunks(n: int, k: int) -> list[slice]:
@@ -90,15 +93,12 @@ class _Ring:
 
 
 def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, tag: int,
-               backend: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+               backend: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """``y`` = the sum of the members' ``x`` (same shape, contiguous; ``x`` kept); ``tag``:
     the calling operator's own; ``backend``: the caller's prepared all-reduce
     (``tr.prepare("all_reduce", group)``) for sums the rings leave to the backend."""
     if not _rings(x, group):
-        if backend is not None:
-            backend(y, x)
-        else:
-            tr.wait([tr.all_reduce(y, group, src=x)])
+        backend(y, x)
         return
     yf, xf = y.view(-1), x.view(-1)
     ring = _Ring(tr, group, xf.numel(), tag)
@@ -109,17 +109,13 @@ def all_reduce(tr: Transport, y: torch.Tensor, x: torch.Tensor, group: Group, ta
 
 def reduce_scatter(tr: Transport, out: torch.Tensor, x: torch.Tensor, group: Group,
                    spare: torch.Tensor | None, tag: int,
-                   backend: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-                   ) -> None:
+                   backend: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """``out`` = this member's chunk (the group's size equal chunks, in group order) of the
     sum of the members' ``x`` (contiguous). ``spare``: a buffer shaped like ``out`` that
     the ring's steps alternate with (None: ask :func:`needs_spare` first); ``backend``:
     as :func:`all_reduce`'s."""
     if not _rings(x, group):
-        if backend is not None:
-            backend(out, x)
-        else:
-            tr.wait([tr.reduce_scatter(out, x, group)])
+        backend(out, x)
         return
     xf, of = x.view(-1), out.view(-1)
     ring = _Ring(tr, group, xf.numel(), tag)
