@@ -131,11 +131,17 @@ def entry(fn: Callable) -> Callable:
             return safe(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    # disable's mark too, for the paths where dynamo reads it before inlining
-    call._torchdynamo_disable = True  # type: ignore[attr-defined]
-    call._torchdynamo_disable_msg = "gpudist call"  # type: ignore[attr-defined]
-    call._torchdynamo_disable_recursive = True  # type: ignore[attr-defined]
-    return call
+    return eager(call)
+
+
+def eager(fn: Callable) -> Callable:
+    """``fn`` with ``torch.compiler.disable``'s mark, for the paths where dynamo reads it
+    before inlining: a compiled region runs it eagerly (its own checks then find dynamo's
+    frame callback set and take :func:`entry`'s guard)."""
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    fn._torchdynamo_disable_msg = "gpudist call"  # type: ignore[attr-defined]
+    fn._torchdynamo_disable_recursive = True  # type: ignore[attr-defined]
+    return fn
 
 
 def first_order(backward: Callable) -> Callable:
@@ -205,6 +211,8 @@ class Plan:
     # F and F* in their steady form (Primitive.steady): block -> block, None: the general
     fwd: Callable[[torch.Tensor], torch.Tensor] | None = None  # forward / adjoint
     adj: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # a member's repeated call without / with the adjoint recorded (Primitive._repeat)
+    again: tuple[Callable, Callable] | tuple[None, None] = (None, None)
 
 
 class Primitive(torch.nn.Module):
@@ -235,9 +243,9 @@ class Primitive(torch.nn.Module):
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
         self._plans: LRU = LRU(world.cache_size)
-        # the last call's (spec, plan, grad): a call with another spec or grad mode is
-        # checked across ranks
-        self._last: tuple[TensorSpec, Plan, bool | None] | None = None
+        # the last call's (spec, plan, grad, the plan's repeated call for that grad mode or
+        # None): a call with another spec or grad mode is checked across ranks
+        self._last: tuple[TensorSpec, Plan, bool | None, Callable | None] | None = None
         self.buffers = BufferPool(max_keys=4 * world.cache_size)
 
     # -- to implement --------------------------------------------------------------------
@@ -295,7 +303,7 @@ class Primitive(torch.nn.Module):
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
-            self._last = (spec, p, grad)
+            self._remember(spec, p, grad)
             return p
         try:
             self.check_input(spec)
@@ -313,14 +321,20 @@ class Primitive(torch.nn.Module):
             local, identity = None, True
         fp = stable_hash((self.config, spec.fingerprint))
         p = self._plans.get_or_make(spec, lambda: self._made(spec, out, local, identity, fp))
-        self._last = (spec, p, grad)
+        self._remember(spec, p, grad)
         return p
+
+    def _remember(self, spec: TensorSpec, p: Plan, grad: bool | None) -> None:
+        """The call now checked becomes the last one, which the next call may repeat."""
+        self._last = (spec, p, grad, None if grad is None else p.again[grad])
 
     def _made(self, spec: TensorSpec, out: TensorSpec, local: object, identity: bool,
               fp: int) -> Plan:
         p = Plan(spec, out, local, identity, fp)
         if self.member and not identity and spec.device_type == "cpu":
             p.fwd, p.adj = self.steady(p)
+        if self.member:
+            p.again = (self._repeat(p, False), self._repeat(p, True))
         return p
 
     def steady(self, plan: Plan) -> tuple[Callable | None, Callable | None]:
@@ -349,42 +363,71 @@ class Primitive(torch.nn.Module):
         return derive_spec(self.in_partition, x, self.name, self.group)
 
     # -- calling -----------------------------------------------------------------------------
-    @entry
     def __call__(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         """Apply F; autograd's backward applies F*.
 
         A call like the previous one (the same spec object, the same grad mode, a block
-        that fits: every call of a network's step after the first) takes the short way,
-        :meth:`_again`; any other call the checked one, :meth:`_call`."""
+        that fits: every call of a network's step after the first), made outside
+        inference mode and compiled code, runs the plan's repeated call
+        (:meth:`_repeat`); any other call the checked one, :meth:`_call`."""
         last = self._last
-        if last is not None and type(x) is DistTensor and x.spec is last[0] and self.member:
-            local = x.local
-            grad = local.requires_grad and torch.is_grad_enabled()
-            if grad == last[2] and last[0].matches(local):
-                return self._again(local, last[1], grad)
+        if last is not None and type(x) is DistTensor and x.spec is last[0]:
+            again = last[3]
+            if again is not None and not (torch.compiler.is_compiling() or _compiling()
+                                          or torch.is_inference_mode_enabled()):
+                local = x.local
+                if ((local.requires_grad and torch.is_grad_enabled()) == last[2]
+                        and last[0].matches(local)):
+                    return again(local)
         return self._call(x)
 
-    def _again(self, local: torch.Tensor, plan: Plan, grad: bool) -> DistTensor:
-        """:meth:`_call`'s steps that remain for a member repeating its previous call
-        (spec, plan and grad mode checked there last time; the block matches the spec,
-        dtype included): :meth:`apply`'s F on the block, or F recorded for backward,
-        inside the world's failure scope."""
-        ctl = self.world.control
-        if ctl.aborted is not None:
-            ctl.ensure_alive()
-        try:
-            if plan.identity:
-                y = local
-            elif grad:
-                refuse_nonreentrant_checkpoint(self.name)
-                y = _record(self, plan, local)
-            else:
-                y = self.run_forward(local, plan)
-            return _wrap(y, plan.out) if plan.out else y
-        except BaseException as e:
-            ctl.failed(e, self.name)
-            raise
+    eager(__call__)
 
+    def _repeat(self, plan: Plan, grad: bool) -> Callable[[torch.Tensor], DistTensor]:
+        """A member's call repeating its previous one with ``plan`` and grad mode ``grad``
+        (spec, plan and grad mode checked there; the block matches the spec, dtype
+        included): :meth:`apply`'s F on the block, or F recorded for backward, numbered
+        and inside the world's failure scope; what it looks up bound once, per plan."""
+        ctl, w, name, out = self.world.control, self.world, self.name, plan.out
+        if plan.identity:
+            def again(local: torch.Tensor) -> DistTensor:
+                if ctl.aborted is not None:
+                    ctl.ensure_alive()
+                return _wrap(local, out) if out else local
+        elif grad:
+            def again(local: torch.Tensor) -> DistTensor:
+                if ctl.aborted is not None:
+                    ctl.ensure_alive()
+                try:
+                    refuse_nonreentrant_checkpoint(name)
+                    y = _record(self, plan, local)
+                except BaseException as e:
+                    ctl.failed(e, name)
+                    raise
+                return _wrap(y, out) if out else y
+        else:  # run_forward written out (the hot path of a no-grad step)
+            f = plan.fwd or functools.partial(self.forward, plan=plan)
+            parts, label, fp, needs_all = (self.participants, self._fwd_label,
+                                           plan.fingerprint, self.collective)
+
+            def again(local: torch.Tensor) -> DistTensor:
+                if ctl.aborted is not None:
+                    ctl.ensure_alive()
+                try:
+                    if w.check_calls:
+                        self._check_call(label, fp)
+                    prev = ctl.begin(parts, label, fp, needs_all)
+                    try:
+                        y = f(local)
+                    finally:
+                        ctl._op = prev
+                except BaseException as e:
+                    ctl.failed(e, name)
+                    raise
+                return _wrap(y, out) if out else y
+        return again
+
+    @entry
     def _call(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
         with self.world.control.scope(self.name):
             dist_in = isinstance(x, DistTensor)
