@@ -387,44 +387,25 @@ class Primitive(torch.nn.Module):
         """A member's call repeating its previous one with ``plan`` and grad mode ``grad``
         (spec, plan and grad mode checked there; the block matches the spec, dtype
         included): :meth:`apply`'s F on the block, or F recorded for backward, numbered
-        and inside the world's failure scope; what it looks up bound once, per plan."""
-        ctl, w, name, out = self.world.control, self.world, self.name, plan.out
-        if plan.identity:
-            def again(local: torch.Tensor) -> DistTensor:
-                if ctl.aborted is not None:
-                    ctl.ensure_alive()
-                return _wrap(local, out) if out else local
-        elif grad:
-            def again(local: torch.Tensor) -> DistTensor:
-                if ctl.aborted is not None:
-                    ctl.ensure_alive()
-                try:
+        and inside the world's failure scope (what it looks up bound once, per plan)."""
+        ctl, name, out, identity, run = (self.world.control, self.name, plan.out,
+                                         plan.identity, self.run_forward)
+
+        def again(local: torch.Tensor) -> DistTensor:
+            if ctl.aborted is not None:
+                ctl.ensure_alive()
+            try:
+                if identity:
+                    y = local
+                elif grad:
                     refuse_nonreentrant_checkpoint(name)
                     y = _record(self, plan, local)
-                except BaseException as e:
-                    ctl.failed(e, name)
-                    raise
-                return _wrap(y, out) if out else y
-        else:  # run_forward written out (the hot path of a no-grad step)
-            f = plan.fwd or functools.partial(self.forward, plan=plan)
-            parts, label, fp, needs_all = (self.participants, self._fwd_label,
-                                           plan.fingerprint, self.collective)
-
-            def again(local: torch.Tensor) -> DistTensor:
-                if ctl.aborted is not None:
-                    ctl.ensure_alive()
-                try:
-                    if w.check_calls:
-                        self._check_call(label, fp)
-                    prev = ctl.begin(parts, label, fp, needs_all)
-                    try:
-                        y = f(local)
-                    finally:
-                        ctl._op = prev
-                except BaseException as e:
-                    ctl.failed(e, name)
-                    raise
-                return _wrap(y, out) if out else y
+                else:
+                    y = run(local, plan)
+            except BaseException as e:
+                ctl.failed(e, name)
+                raise
+            return _wrap(y, out) if out else y
         return again
 
     @entry
