@@ -36,6 +36,8 @@ def _reference(G, dY, opts):
     seq = torch.nn.Upsample(**opts)
     Gs = G.clone().requires_grad_(True)
     Y = seq(Gs)
+    if 0 in Y.shape[2:]:  # area mode's empty output: torch's backward raises; the adjoint of
+        return Y.detach(), torch.zeros_like(G), False  # a map to nothing is 0
     Y.backward(dY)
     if not opts.get("mode", "nearest").startswith("nearest"):
         return Y.detach(), Gs.grad, True
@@ -139,6 +141,10 @@ CASES_2D = [
     ("2d-bicubic-down-ac", (1, 1, 1, 2), [0, 3], (1, 1, 11, 17),
      _up("bicubic", True, scale_factor=0.6)),
     ("2d-area-size", (1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 13, 11), _up("area", size=(5, 4))),
+    # torch's area mode gives an empty output where a size comes to 0 (the other modes
+    # refuse), but its backward raises: gpudist's gradient is the adjoint's, 0
+    ("2d-area-empty-out", (1, 1, 2, 2), [0, 1, 2, 3], (2, 1, 1, 9),
+     _up("area", scale_factor=(0.5, 1.5)), True),
     ("2d-channel-split", (1, 2, 2, 1), [0, 1, 2, 3], (1, 4, 10, 9),
      _up("bilinear", False, scale_factor=2)),
     ("2d-batch-only", (4, 1, 1, 1), [0, 1, 2, 3], (5, 2, 9, 7),  # F.interpolate per block
@@ -161,6 +167,8 @@ CASES_3D = [
     ("3d-trilinear-size-ac", (1, 1, 2, 1, 1), [2, 3], (2, 1, 7, 4, 5),
      _up("trilinear", True, size=(4, 6, 3))),
     ("3d-area-size", (1, 1, 2, 1, 2), [0, 1, 2, 3], (1, 2, 7, 5, 9), _up("area", size=(4, 5, 6))),
+    ("3d-area-size-0", (1, 1, 1, 2, 2), [0, 1, 2, 3], (1, 2, 5, 6, 4),
+     _up("area", size=(3, 0, 4)), True),
 ]
 
 

@@ -389,7 +389,8 @@ class DistributedUpsample(DistributedModule):
         self.size = per_dim("size", name, size, n, int, allow_none=True)
         self.scale_factor = per_dim("scale_factor", name, scale_factor, n, float,
                                     allow_none=True)
-        if self.size is not None and any(s < 1 for s in self.size):
+        # (torch's area mode, an adaptive pooling, takes an output size of 0: empty output)
+        if self.size is not None and any(s < (0 if mode == "area" else 1) for s in self.size):
             raise ValueError(f"{name}: size must be positive, got {size!r}")
         if self.scale_factor is not None and not all(
                 math.isfinite(s) and s > 0 for s in self.scale_factor):
@@ -424,7 +425,7 @@ class DistributedUpsample(DistributedModule):
         for a, L in enumerate(spatial):
             M = output_length(L, None if self.size is None else self.size[a],
                               None if self.scale_factor is None else self.scale_factor[a])
-            if L < 1 or M < 1:
+            if L < 1 or M < (0 if self.mode == "area" else 1):  # (area: as torch's)
                 raise ShapeError(f"{self.name}: input and output sizes should be greater than "
                                  f"0, got input {tuple(spatial)} -> output {M} in spatial "
                                  f"dim {a}")
@@ -482,15 +483,15 @@ class DistributedUpsample(DistributedModule):
             raise raised_everywhere(ShapeError(
                 f"{self.name}: expected a {self.spatial + 2}-D block (N, C, spatial) split the "
                 f"standard way, got {spec.describe()}"))
-        if self.local_torch:  # no halo needed: torch's op on each block
-            out = TensorSpec(self.P_x, self.output_shape(spec.global_shape), spec.dtype,
-                             spec.device_type)
-            return _TorchPlan(out)
+        out = self.output_shape(spec.global_shape)
+        if self.local_torch or 0 in out[2:]:  # no halo needed: torch's op on each block,
+            # or an empty output (area mode only: every block empty, no halo)
+            return _TorchPlan(TensorSpec(self.P_x, out, spec.dtype, spec.device_type))
         return _Plan(self, spec)
 
     # -- forward ----------------------------------------------------------------------
     def run(self, x: torch.Tensor, plan) -> torch.Tensor:
-        if self.local_torch:
+        if isinstance(plan, _TorchPlan):
             if x.numel() == 0 or 0 in plan.out.local_shape:  # torch refuses empty blocks
                 return x.new_zeros(plan.out.local_shape) + x.sum() * 0
             return F.interpolate(x, self.size, self.scale_factor, self.mode, self._align_arg,
