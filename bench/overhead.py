@@ -1,9 +1,10 @@
 """gpudist's own cost per primitive call, with the wire cut out.
 
 Every rank builds the cases of ``bench primitives`` (its ``_cases``) for a 64 KiB buffer
-(or ``--bytes``), runs gpudist's calls of them for real a few times, then replaces the
+(or ``--bytes``), runs gpudist's calls of them a few times (plans made, buffers kept), having replaced the
 MPI communicators the transport calls (every group's, the point-to-point one) with
-stand-ins whose nonblocking calls return a request that completes at its second poll: what
+stand-ins whose nonblocking calls return a request that completes at its second poll
+(before the cases are built, since operators bind their prepared collectives then): what
 remains is gpudist's Python per call (spec check, numbering, buffers, the transport's
 bookkeeping, one turn of the wait loop, the DistTensor out) plus torch's part of it.
 Timed with ``time.thread_time`` (this thread's CPU time, so other load on the machine
@@ -75,11 +76,21 @@ class _MPI:
 
 
 def cut_the_wire(world) -> None:
+    """Every data communicator, the world's and those made from now on, a stand-in (the
+    metadata communicators stay real: the first calls' checks run). Called before the
+    cases are built: operators bind their prepared collectives to a group's handle when
+    they are built or planned (``Transport.prepare``)."""
     tr = world.transport
     for g in tr._groups.values():
         object.__setattr__(g, "handle", _Comm())
     tr.p2p_comm = _Comm()
     tr.MPI = _MPI(tr.MPI)
+    make = tr._make_group
+
+    def stand_in(key):
+        handle, meta = make(key)
+        return (None if handle is None else _Comm()), meta
+    tr._make_group = stand_in
 
 
 def main() -> None:
@@ -101,12 +112,12 @@ def main() -> None:
 
     # gpudist's two calls of each case of ``bench primitives`` (the packed Repartition's is
     # the Repartition's): forward, and forward + adjoint
+    cut_the_wire(w)
     todo = [(p, _cases(p, a.bytes, w, True)[0][:2]) for p in PRIMS if p != "repartition_pack"]
-    for _, calls in todo:  # real calls first: plans made, buffers kept
-        for f in calls:
+    for _, calls in todo:  # first calls: plans made (checked over the real metadata
+        for f in calls:  # communicators), buffers kept
             for _ in range(3):
                 f()
-    cut_the_wire(w)
     rows = []
     for name, calls in todo:
         for mode, f in zip(("fwd", "fwd+adj"), calls):
@@ -124,6 +135,7 @@ def main() -> None:
         for i, (name, mode, _) in enumerate(rows):
             print(f"{name:14s} {mode:8s}" + "".join(f"{r[i][2]:8.2f}" for r in every))
     sys.stdout.flush()
+    MPI.COMM_WORLD.Barrier()  # (a rank leaving first can get rank 0 killed before it prints)
     os._exit(0)  # the communicators were replaced: no orderly MPI teardown
 
 

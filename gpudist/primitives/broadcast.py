@@ -23,8 +23,8 @@ from ..errors import PartitionError, ShapeError, raised_everywhere
 from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
-from ..transport.base import P2P, Group
-from .base import Plan, Primitive, opaque_spec, zero_volume
+from ..transport.base import Group
+from .base import Plan, Primitive, empty_of, opaque_spec, zero_volume
 from .ring import torch_sums
 
 _CPU = torch.device("cpu")
@@ -172,6 +172,16 @@ class FanPlan:
         has_x = [t.has_x for t, _ in trees]
         tr, kept = self.world.transport, []  # kept: per tree (first buffer, more buffer)
 
+        def messages(step) -> list[tuple[str, int, int]]:  # a round's, in a fixed order
+            out = []
+            for parent, child in step:
+                if parent is not None:
+                    out.append(("send", parent, tag))
+                if child is not None:
+                    out.append(("recv", child, tag))
+            return out
+        moves = [tr.prepare_p2p(messages(step)) for step in steps]  # made ready once
+
         def run(x: torch.Tensor) -> torch.Tensor | None:
             if not kept:
                 for t, root in trees:
@@ -181,16 +191,15 @@ class FanPlan:
                                                            "partial-more", shape)))
             acc = [out() if root else first for (_, root), (first, _) in zip(trees, kept)]
             summed = [False] * len(trees)  # whether acc[i] holds a child's sum yet
-            for step in steps:
-                ops, adding = [], []
+            for step, move in zip(steps, moves):
+                bufs, adding = [], []  # (in the order of the round's messages)
                 for i, (parent, child) in enumerate(step):
                     if parent is not None:
-                        ops.append(P2P("send", acc[i] if summed[i] else x, parent, tag))
+                        bufs.append(acc[i] if summed[i] else x)
                     if child is not None:
-                        ops.append(P2P("recv", kept[i][1] if summed[i] else acc[i], child,
-                                       tag))
+                        bufs.append(kept[i][1] if summed[i] else acc[i])
                         adding.append(i)
-                tr.wait(tr.batch_p2p(ops))
+                move(bufs)
                 for i in adding:  # the first child's sum landed in acc[i], later ones in
                     if summed[i]:  # the tree's kept buffer
                         acc[i].add_(kept[i][1])
@@ -267,13 +276,13 @@ class _FanPrimitive(Primitive):
                 run(out)
                 return out
             return receive
-        keeps, ndim = f._keeps_x, many.ndim
+        keeps, nothing = f._keeps_x, empty_of(many.ndim, given.dtype, _CPU)
 
         def send(x: torch.Tensor) -> torch.Tensor:
             if x.shape != shape:
                 return general(x, plan)
             run(x.contiguous())
-            return x if keeps else zero_volume(ndim, like=x)
+            return x if keeps else nothing()
         return send
 
     def steady_sum_in(self, plan: Plan, given: TensorSpec, one: TensorSpec, name: str,
@@ -287,13 +296,13 @@ class _FanPrimitive(Primitive):
         run = f.tree_sums(slot.take if slot is not None else None,
                           lambda what, shp: self.buffers.get((name, what), shp, dt, _CPU),
                           shape, one.local_shape, self.tag)
-        ndim = one.ndim
+        nothing = empty_of(one.ndim, dt, _CPU)
 
         def body(x: torch.Tensor) -> torch.Tensor:
             if x.shape != shape:
                 return general(x, plan)
             y = run(x.contiguous())
-            return y if y is not None else zero_volume(ndim, like=x)
+            return y if y is not None else nothing()
         return body
 
     def spread(self, x: torch.Tensor, plan: Plan, many: TensorSpec, name: str

@@ -25,7 +25,7 @@ from ..kernels import Packers
 from ..kernels.regions import box_views, collapse, dense_strides
 from ..partition import Partition
 from ..spec import DistTensor, TensorSpec
-from .base import Plan, Primitive, zero_volume
+from .base import Plan, Primitive, empty_of, zero_volume
 
 Box = tuple[tuple[int, int], ...]
 _CPU = torch.device("cpu")
@@ -189,7 +189,8 @@ class Repartition(Primitive):
         a2a = self.world.transport.prepare("all_to_all", self.group,
                                            splits=(recv.counts, send.counts, even))
         slot = self.buffers.slot(name, recv.shape, dt, _CPU)
-        s_at, r_at, active, ndim = send.run, recv.run, P_to.active, result.ndim
+        s_at, r_at, active = send.run, recv.run, P_to.active
+        nothing = empty_of(result.ndim, dt, _CPU)
         kept: list = []  # (send buffer, its views, receive buffer, its views): taken at
         # the first call (none for a direction never run), kept by the closure (never
         # handed out)
@@ -220,7 +221,7 @@ class Repartition(Primitive):
             if unpacks is not None:
                 for view, shp, st, at in unpacks:
                     out.as_strided(shp, st, at).copy_(view)
-            return out if active else zero_volume(ndim, like=x)
+            return out if active else nothing()
         return body
 
     def forward(self, x, plan: Plan):

@@ -297,6 +297,19 @@ class Transport(ABC):
             return lambda out, inp: wait([self.reduce_scatter(out, inp, group)])
         raise ValueError(f"no collective {kind!r}")
 
+    def prepare_p2p(self, pattern: Sequence[tuple[str, int, int]]
+                    ) -> Callable[[Sequence[torch.Tensor]], None]:
+        """Point-to-point transfers of a fixed pattern made ready once, on tensors that may
+        change from call to call (:meth:`p2p_program` is for fixed ones): ``run(tensors)``
+        posts ``pattern[i] = (op, peer, tag)`` ("send" or "recv") on ``tensors[i]``, all at
+        once, and waits. This one is :meth:`batch_p2p` and :meth:`wait`; MPI returns a
+        leaner one."""
+        post, wait = self.batch_p2p, self.wait
+
+        def run(tensors: Sequence[torch.Tensor]) -> None:
+            wait(post([P2P(op, t, peer, tag) for (op, peer, tag), t in zip(pattern, tensors)]))
+        return run
+
     @abstractmethod
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
         """All-gather of CPU int64 rows over the group's meta communicator."""

@@ -63,6 +63,18 @@ def cuda_aware() -> bool:
         return False
 
 
+class _AllOf:
+    """Several requests waited for as one (:meth:`MPITransport._complete` polls ``Test``)."""
+
+    __slots__ = ("reqs", "testall")
+
+    def __init__(self, reqs: list, testall) -> None:
+        self.reqs, self.testall = reqs, testall
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return self.testall(self.reqs)
+
+
 class MPITransport(Transport):
     """``MPI.COMM_WORLD`` (or a given communicator) as a transport."""
 
@@ -260,6 +272,26 @@ class MPITransport(Transport):
             if ob is None or ib is None:
                 return general(out, inp)
             done(post(ib, ob, op=sums(inp)) if typed else post(ib, ob), label, (out, inp))
+        return run
+
+    def prepare_p2p(self, pattern):
+        """Host memory MPI takes by address: the requests posted and polled directly
+        (anything else: the general call)."""
+        general = super().prepare_p2p(pattern)
+        comm, addr, byte, done, direct = (self.p2p_comm, self._address, self.MPI.BYTE,
+                                          self._complete, self._by_address)
+        posts = [(comm.Isend if op == "send" else comm.Irecv, peer, tag)
+                 for op, peer, tag in pattern]
+        label, testall = p2p_label([P2P(op, None, peer, tag) for op, peer, tag in pattern]), \
+            self.MPI.Request.Testall
+
+        def run(tensors: Sequence[torch.Tensor]) -> None:
+            for t in tensors:
+                if not direct(t):
+                    return general(tensors)
+            reqs = [post([addr(t.data_ptr(), t.nbytes), byte], peer, tag)
+                    for (post, peer, tag), t in zip(posts, tensors)]
+            done(reqs[0] if len(reqs) == 1 else _AllOf(reqs, testall), label, tensors)
         return run
 
     def _prepared_all_to_allv(self, general, group, splits):
