@@ -299,13 +299,21 @@ class Control:
         key = group if type(group) is tuple else tuple(group)
         return _Numbered(self, self._number(key, what, fingerprint, needs_all))
 
-    def begin(self, group: tuple[int, ...], what: str, fingerprint: int,
-              needs_all: bool) -> Op | None:
-        """:meth:`op` without the context object (a primitive's call, the hot path):
-        number the operator and make it current; the caller puts the returned previous
-        operator back (``control._op = prev``) when it ends."""
-        prev, self._op = self._op, self._number(group, what, fingerprint, needs_all)
-        return prev
+    def numberer(self, key: tuple[int, ...], what: str, fingerprint: int, needs_all: bool
+                 ) -> Callable[[], Op | None]:
+        """:meth:`op` without the context object, for the calls of one operator and
+        direction (a primitive's plan keeps it: the hot path), its lookups made once:
+        ``prev = begin()`` numbers the operator and makes it current; the caller puts the
+        previous operator back (``control._op = prev``) when it ends."""
+        seqs, past = self._seq, self._past.setdefault(key, [None] * HISTORY)
+
+        def begin() -> Op | None:
+            seq = seqs.get(key, 0) + 1
+            seqs[key] = seq
+            past[seq % HISTORY] = op = _new_op((key, seq, what, fingerprint, needs_all))
+            prev, self._op = self._op, op
+            return prev
+        return begin
 
     def _number(self, key: tuple[int, ...], what: str, fingerprint: int, needs_all: bool
                 ) -> Op:

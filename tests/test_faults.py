@@ -1094,9 +1094,9 @@ def test_check_passed_covers_the_last_operator_of_a_group():
         for c, last in ((c0, 1), (c3, fp3)):
             for i in range(3):
                 c.op((0, 2, 3), f"op{i}", 1)
-            c.begin((0, 2, 3), "last", last, True)
+            c.numberer((0, 2, 3), "last", last, True)()
         c0._publish(c0._op, time.monotonic() - 1.0)  # rank 0 waits at #4 of [0, 2, 3]
-        c3.begin((0, 1, 2, 3), "next", 5, True)  # rank 3 went on, waits in the world
+        c3.numberer((0, 1, 2, 3), "next", 5, True)()  # rank 3 went on, waits in the world
         if expect:
             with pytest.raises(gpudist.MismatchError, match="where rank 3 ran last"):
                 c3._diagnose("next", time.monotonic() - 1.0)

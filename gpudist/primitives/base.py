@@ -219,6 +219,8 @@ class Plan:
     # F and F* in their steady form (Primitive.steady): block -> block, None: the general
     fwd: Callable[[torch.Tensor], torch.Tensor] | None = None  # forward / adjoint
     adj: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # a member's F and F* numbered (Primitive._numbered: the steady form or the general)
+    run: tuple[Callable, Callable] | tuple[None, None] = (None, None)
     # a member's repeated call without / with the adjoint recorded (Primitive._repeat)
     again: tuple[Callable, Callable] | tuple[None, None] = (None, None)
 
@@ -342,8 +344,31 @@ class Primitive(torch.nn.Module):
         if self.member and not identity and spec.device_type == "cpu":
             p.fwd, p.adj = self.steady(p)
         if self.member:
+            p.run = (self._numbered(p.fwd or functools.partial(self.forward, plan=p),
+                                    self._fwd_label, fp),
+                     self._numbered(p.adj or functools.partial(self.adjoint, plan=p),
+                                    self._adj_label, fp + 1))
             p.again = (self._repeat(p, False), self._repeat(p, True))
         return p
+
+    def _numbered(self, f: Callable[[torch.Tensor], torch.Tensor], label: str, fp: int
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``f`` (F or F* of one plan) as one call the control plane counts (every member
+        of the group counts the same calls), the call check first where it is on (made
+        once per plan and direction: every call runs it)."""
+        w, ctl, begin = (self.world, self.world.control,
+                         self.world.control.numberer(self.participants, label, fp,
+                                                     self.collective))
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if w.check_calls:
+                self._check_call(label, fp)
+            prev = begin()
+            try:
+                return f(x)
+            finally:
+                ctl._op = prev
+        return run
 
     def steady(self, plan: Plan) -> tuple[Callable | None, Callable | None]:
         """F and F* for ``plan`` in their steady form, made once per plan: the common case
@@ -381,10 +406,10 @@ class Primitive(torch.nn.Module):
         last = self._last
         if last is not None and type(x) is DistTensor and x.spec is last[0]:
             again = last[3]
-            if again is not None and not (torch.compiler.is_compiling() or _compiling()
-                                          or torch.is_inference_mode_enabled()):
+            if again is not None and not (_is_compiling() or _compiling()
+                                          or _inference_mode()):
                 local = x.local
-                if ((local.requires_grad and torch.is_grad_enabled()) == last[2]
+                if ((local.requires_grad and _grad_mode()) == last[2]
                         and last[0].matches(local)):
                     return again(local)
         return self._call(x)
@@ -397,7 +422,7 @@ class Primitive(torch.nn.Module):
         included): :meth:`apply`'s F on the block, or F recorded for backward, numbered
         and inside the world's failure scope (what it looks up bound once, per plan)."""
         ctl, name, out, identity, run = (self.world.control, self.name, plan.out,
-                                         plan.identity, self.run_forward)
+                                         plan.identity, plan.run[0])
 
         def again(local: torch.Tensor) -> DistTensor:
             if ctl.aborted is not None:
@@ -409,7 +434,7 @@ class Primitive(torch.nn.Module):
                     refuse_nonreentrant_checkpoint(name)
                     y = _record(self, plan, local)
                 else:
-                    y = run(local, plan)
+                    y = run(local)
             except BaseException as e:
                 ctl.failed(e, name)
                 raise
@@ -470,35 +495,17 @@ class Primitive(torch.nn.Module):
             check_call(self.group, label, fp, w.control.count(self.participants))
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """F on a block, numbered for the control plane (both paths of :meth:`apply`):
-        :meth:`numbered` written out (it runs on every call)."""
-        w = self.world
-        if w.check_calls:  # (tested here: the call costs more than the test)
-            self._check_call(self._fwd_label, plan.fingerprint)
-        ctl = w.control
-        prev = ctl.begin(self.participants, self._fwd_label, plan.fingerprint,
-                         self.collective)
-        try:
-            f = plan.fwd
-            return f(x) if f is not None else self.forward(x, plan)
-        finally:
-            ctl._op = prev
+        """F on a block, numbered for the control plane (both paths of :meth:`apply`)."""
+        return plan.run[0](x)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F* on a gradient block, numbered and inside the failure scope (autograd's
-        path; :meth:`numbered` and the scope written out)."""
+        path; the scope written out)."""
         ctl = self.world.control
         if ctl.aborted is not None:
             ctl.ensure_alive()
         try:
-            self._check_call(self._adj_label, plan.fingerprint + 1)
-            prev = ctl.begin(self.participants, self._adj_label, plan.fingerprint + 1,
-                             self.collective)
-            try:
-                f = plan.adj
-                return f(dy) if f is not None else self.adjoint(dy, plan)
-            finally:
-                ctl._op = prev
+            return plan.run[1](dy)
         except BaseException as e:
             ctl.failed(e, self._adj_scope)
             raise
@@ -567,6 +574,8 @@ def _wrap(y: torch.Tensor, spec: TensorSpec, _new=DistTensor.__new__) -> DistTen
     return t
 
 
+_is_compiling, _inference_mode, _grad_mode = (
+    torch.compiler.is_compiling, torch.is_inference_mode_enabled, torch.is_grad_enabled)
 _c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LinearOp)
 _transforms_active = torch._C._are_functorch_transforms_active
 
