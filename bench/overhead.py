@@ -1,10 +1,10 @@
 """gpudist's own cost per primitive call, with the wire cut out.
 
-Every rank builds the cases of ``bench primitives`` (its ``_cases``) for a 64 KiB buffer
-(or ``--bytes``), runs gpudist's calls of them a few times (plans made, buffers kept), having replaced the
-MPI communicators the transport calls (every group's, the point-to-point one) with
-stand-ins whose nonblocking calls return a request that completes at its second poll
-(before the cases are built, since operators bind their prepared collectives then): what
+Every rank replaces the MPI communicators the transport calls (every group's, the
+point-to-point one) with stand-ins whose nonblocking calls return a request that
+completes at its second poll (first: operators bind their prepared collectives when built
+or planned), builds the cases of ``bench primitives`` (its ``_cases``) for a 64 KiB buffer
+(or ``--bytes``) and runs gpudist's calls of them a few times (plans made, buffers kept): what
 remains is gpudist's Python per call (spec check, numbering, buffers, the transport's
 bookkeeping, one turn of the wait loop, the DistTensor out) plus torch's part of it.
 Timed with ``time.thread_time`` (this thread's CPU time, so other load on the machine
