@@ -176,18 +176,24 @@ def test_page_size_probe_runs_under_mpiexec():
 
 def test_overhead_bench_times_every_primitive_with_the_wire_cut():
     """bench/overhead.py: every primitive, both modes, a positive CPU time on each rank
-    (the stand-in communicators answer every call; a call they miss would hang or raise)."""
+    (the stand-in communicators answer every call; a call they miss would hang or raise),
+    and the wire really cut: a 16 MiB Broadcast or AllGather, which move data only (their
+    steady forms copy nothing), costs microseconds, where the real transfer costs
+    milliseconds of CPU time (the tenth session's operators bound their prepared
+    collectives before the script cut the wire, and it timed them moving data)."""
     from tests.conftest import HAS_MPI
     from tests.harness import mpiexec
 
     if not HAS_MPI:
         pytest.skip("mpi4py or mpiexec not installed")
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "bench.overhead", ".",
-                        "--calls", "20", "--repeats", "1"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+                        "--calls", "10", "--repeats", "1", "--bytes", str(16 << 20)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [x.split() for x in p.stdout.splitlines() if x and not x.startswith("#")]
     assert sorted((r[0], r[1]) for r in rows) == sorted(
         (n, m) for n in ("broadcast", "sumreduce", "allsumreduce", "repartition",
                          "allgather", "reducescatter") for m in ("fwd", "fwd+adj")), p.stdout
     assert all(len(r) == 4 and float(r[2]) > 0 and float(r[3]) > 0 for r in rows), p.stdout
+    moves = [r for r in rows if r[0] in ("broadcast", "allgather") and r[1] == "fwd"]
+    assert len(moves) == 2 and all(float(t) < 300 for r in moves for t in r[2:]), p.stdout
