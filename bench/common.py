@@ -180,6 +180,9 @@ def peak_memory_mib(world) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_BARRIER_COMMS: dict[int, object] = {}  # id(world) -> the timing barriers' communicator
+
+
 def world_barrier(world) -> None:
     """A barrier over the world's default communicator (outside timing)."""
     if world.size > 1:
@@ -201,7 +204,6 @@ class Timer:
         self.warmup = warmup
         self.repeats = repeats
         self.cuda = world.device.type == "cuda"
-        self._comm = None  # the barriers' own communicator, made at the first barrier
 
     def barrier(self) -> None:
         """A barrier on a communicator of its own (made at the first barrier, on every
@@ -210,20 +212,23 @@ class Timer:
         its own group took 320-326 us, on another group 376-383; with the barrier on a
         third group 343-377 against 370-379). In the bench itself, where the cases
         rotate, the change moved no gloo or MPI ratio beyond its noise."""
-        if self.world.size == 1:
+        w = self.world
+        if w.size == 1:
             return
-        if self.world.backend == "mpi":
+        comm = _BARRIER_COMMS.get(id(w))  # one per world, for every Timer of the process
+        if w.backend == "mpi":
             from mpi4py import MPI
 
-            if self._comm is None:
-                self._comm = MPI.COMM_WORLD.Dup()
-            self._comm.Barrier()
+            if comm is None:
+                comm = _BARRIER_COMMS[id(w)] = MPI.COMM_WORLD.Dup()
+            comm.Barrier()
         else:
             import torch.distributed as dist
 
-            if self._comm is None:
-                self._comm = dist.new_group(list(range(self.world.size)), backend="gloo")
-            dist.barrier(group=self._comm)
+            if comm is None:
+                comm = _BARRIER_COMMS[id(w)] = dist.new_group(list(range(w.size)),
+                                                             backend="gloo")
+            dist.barrier(group=comm)
 
     def sync(self) -> None:
         if self.cuda:

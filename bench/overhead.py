@@ -133,7 +133,7 @@ def main() -> None:
         print(f"# us per call, CPU time of the calling thread, {a.bytes} bytes, "
               f"{w.size} ranks; columns: rank 0..{w.size - 1}")
         for i, (name, mode, _) in enumerate(rows):
-            print(f"{name:14s} {mode:8s}" + "".join(f"{r[i][2]:8.2f}" for r in every))
+            print(f"{name:14s} {mode:8s}" + "".join(f" {r[i][2]:9.2f}" for r in every))
     sys.stdout.flush()
     MPI.COMM_WORLD.Barrier()  # (a rank leaving first can get rank 0 killed before it prints)
     os._exit(0)  # the communicators were replaced: no orderly MPI teardown

@@ -54,3 +54,36 @@ def _compiled_steps():
 def test_compiled_model_with_gpudist_layers(cluster, backend):
     res = cluster.run(2, _compiled_steps, backend=backend, timeout=240)
     assert len(res[0]) == 2 and max(res[0]) < 1e-12, res
+
+
+def _primitive_in_compiled_code():
+    """A primitive called directly inside a compiled function, its input's spec changing
+    from call to call: its call runs eagerly, without dynamo compiling the call's frame
+    against the primitive's state (a guard on its last spec would recompile at every
+    change: the recompile limit fails the test)."""
+    from gpudist.primitives import AllSumReduce
+
+    torch._dynamo.reset()  # (a pool rank: no code cached by an earlier task's compiles)
+    w = gpudist.world()
+    P = Partition.grid((w.size,))
+    op = AllSumReduce(P, axes=(0,))
+    specs = [gpudist.TensorSpec(P, (n,), torch.float64, "cpu", (gpudist.PARTIAL,))
+             for n in (5, 7)]
+
+    def f(t, i):
+        return op(DistTensor(t, specs[i])).local * 2.0
+
+    compiled = torch.compile(f, backend="eager")
+    ok = True
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for k in range(8):
+            i = (k // 2) % 2  # each spec twice in a row: calls alike and unlike
+            t = torch.full(specs[i].local_shape, float(w.rank + 1), dtype=torch.float64)
+            want = 2.0 * sum(range(1, w.size + 1))
+            ok = ok and bool((compiled(t, i) == want).all())
+    return ok
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_primitive_called_in_compiled_code(cluster, backend):
+    assert all(cluster.run(2, _primitive_in_compiled_code, backend=backend, timeout=240))

@@ -4,7 +4,8 @@ and broadcast composed from them."""
 import pytest
 import torch
 
-from gpudist import Partition
+import gpudist
+from gpudist import DistTensor, Partition
 from gpudist.halo import HaloExchange
 from gpudist.primitives import Broadcast
 from gpudist.testing.memory import (
@@ -100,3 +101,31 @@ def test_broadcast_matches_memory_model(cluster):
     op = copy_new("x0", "y2", (4,)) @ copy_new("x0", "y1", (4,)) @ copy_new("x0", "y0", (4,))
     out = op(mem)
     assert [out[f"y{i}"].tolist() for i in range(3)] == got
+
+
+def _freed_without_the_collector():
+    """A primitive whose plans have no steady form (a halo exchange; on a GPU, every one)
+    goes, with its buffers, when the program drops it: its plans' closures hold it and
+    themselves weakly (no reference cycle left for the garbage collector)."""
+    import gc
+    import weakref
+
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size))
+    x = DistTensor.from_local(torch.randn(1, 2, 6, dtype=torch.float64), P, (1, 2, 6 * w.size))
+    gc.collect()
+    gc.disable()
+    try:
+        op = HaloExchange(P, kernel_size=3, padding=1)
+        for _ in range(3):  # the checked call, then the repeated one
+            y = op(x)
+        float(getattr(y, "local", y).sum())
+        gone = weakref.ref(op)
+        del op, y
+        return gone() is None
+    finally:
+        gc.enable()
+
+
+def test_primitive_freed_without_the_garbage_collector(cluster):
+    assert all(cluster.run(2, _freed_without_the_collector))

@@ -391,7 +391,9 @@ class DistributedUpsample(DistributedModule):
                                     allow_none=True)
         # (torch's area mode, an adaptive pooling, takes an output size of 0: empty output)
         if self.size is not None and any(s < (0 if mode == "area" else 1) for s in self.size):
-            raise ValueError(f"{name}: size must be positive, got {size!r}")
+            raise ValueError(f"{name}: size must be positive"
+                             f"{' (or 0 in area mode)' if mode == 'area' else ''}, "
+                             f"got {size!r}")
         if self.scale_factor is not None and not all(
                 math.isfinite(s) and s > 0 for s in self.scale_factor):
             raise ValueError(f"{name}: scale_factor must be positive and finite, "
@@ -427,8 +429,8 @@ class DistributedUpsample(DistributedModule):
                               None if self.scale_factor is None else self.scale_factor[a])
             if L < 1 or M < (0 if self.mode == "area" else 1):  # (area: as torch's)
                 raise ShapeError(f"{self.name}: input and output sizes should be greater than "
-                                 f"0, got input {tuple(spatial)} -> output {M} in spatial "
-                                 f"dim {a}")
+                                 f"0 (an output of 0 only in area mode), got input "
+                                 f"{tuple(spatial)} -> output {M} in spatial dim {a}")
             out.append(M)
         return tuple(out)
 

@@ -23,6 +23,7 @@ per call.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -116,9 +117,11 @@ except ImportError:  # pragma: no cover - another torch: always take the guarded
 
 
 def entry(fn: Callable) -> Callable:
-    """A layer's, loss's or primitive's call: :func:`outside_inference_mode`, and run
-    eagerly under ``torch.compile`` (the checks across ranks and the transports are Python
-    that dynamo cannot trace; the model's torch code around the call is still compiled).
+    """A layer's or loss's call, or a primitive's checked call (its repeated call makes
+    the same checks itself first, :meth:`Primitive.__call__`): :func:`outside_inference_mode`,
+    and run eagerly under ``torch.compile`` (the checks across ranks and the transports are
+    Python that dynamo cannot trace; the model's torch code around the call is still
+    compiled).
 
     ``disable``'s guard (which stops dynamo from compiling the frames the call runs) is
     entered only while dynamo traces the call or its frame callback is set, i.e. inside a
@@ -344,10 +347,8 @@ class Primitive(torch.nn.Module):
         if self.member and not identity and spec.device_type == "cpu":
             p.fwd, p.adj = self.steady(p)
         if self.member:
-            p.run = (self._numbered(p.fwd or functools.partial(self.forward, plan=p),
-                                    self._fwd_label, fp),
-                     self._numbered(p.adj or functools.partial(self.adjoint, plan=p),
-                                    self._adj_label, fp + 1))
+            p.run = (self._numbered(p.fwd or _late(self.forward, p), self._fwd_label, fp),
+                     self._numbered(p.adj or _late(self.adjoint, p), self._adj_label, fp + 1))
             p.again = (self._repeat(p, False), self._repeat(p, True))
         return p
 
@@ -355,14 +356,14 @@ class Primitive(torch.nn.Module):
                   ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``f`` (F or F* of one plan) as one call the control plane counts (every member
         of the group counts the same calls), the call check first where it is on (made
-        once per plan and direction: every call runs it)."""
-        w, ctl, begin = (self.world, self.world.control,
-                         self.world.control.numberer(self.participants, label, fp,
-                                                     self.collective))
+        once per plan and direction: every call runs it; it holds neither the primitive
+        nor the plan, see :func:`_late`)."""
+        w, ctl, group, parts = self.world, self.world.control, self.group, self.participants
+        begin = ctl.numberer(parts, label, fp, self.collective)
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if w.check_calls:
-                self._check_call(label, fp)
+                check_call(group, label, fp, ctl.count(parts))
             prev = begin()
             try:
                 return f(x)
@@ -402,27 +403,32 @@ class Primitive(torch.nn.Module):
         A call like the previous one (the same spec object, the same grad mode, a block
         that fits: every call of a network's step after the first), made outside
         inference mode and compiled code, runs the plan's repeated call
-        (:meth:`_repeat`); any other call the checked one, :meth:`_call`."""
-        last = self._last
-        if last is not None and type(x) is DistTensor and x.spec is last[0]:
-            again = last[3]
-            if again is not None and not (_is_compiling() or _compiling()
-                                          or _inference_mode()):
-                local = x.local
-                if ((local.requires_grad and _grad_mode()) == last[2]
-                        and last[0].matches(local)):
-                    return again(local)
+        (:meth:`_repeat`); any other call the checked one, :meth:`_call`. Where dynamo
+        compiles this frame (after the graph break its mark makes), the compile checks
+        come first, so that it reads none of the primitive's state (a guard on it would
+        recompile the frame as the calls change)."""
+        if not (_is_compiling() or _compiling() or _inference_mode()):
+            last = self._last
+            if last is not None and type(x) is DistTensor and x.spec is last[0]:
+                again = last[3]
+                if again is not None:
+                    local = x.local
+                    if ((local.requires_grad and _grad_mode()) == last[2]
+                            and last[0].matches(local)):
+                        return again(local)
         return self._call(x)
 
-    eager(__call__)
+    __call__ = eager(__call__)
 
     def _repeat(self, plan: Plan, grad: bool) -> Callable[[torch.Tensor], DistTensor]:
         """A member's call repeating its previous one with ``plan`` and grad mode ``grad``
         (spec, plan and grad mode checked there; the block matches the spec, dtype
         included): :meth:`apply`'s F on the block, or F recorded for backward, numbered
-        and inside the world's failure scope (what it looks up bound once, per plan)."""
+        and inside the world's failure scope (what it looks up bound once, per plan; the
+        primitive and the plan held weakly, see :func:`_late`)."""
         ctl, name, out, identity, run = (self.world.control, self.name, plan.out,
                                          plan.identity, plan.run[0])
+        me, pl = weakref.ref(self), weakref.ref(plan)
 
         def again(local: torch.Tensor) -> DistTensor:
             if ctl.aborted is not None:
@@ -432,7 +438,7 @@ class Primitive(torch.nn.Module):
                     y = local
                 elif grad:
                     refuse_nonreentrant_checkpoint(name)
-                    y = _record(self, plan, local)
+                    y = _record(me(), pl(), local)
                 else:
                     y = run(local)
             except BaseException as e:
@@ -544,6 +550,15 @@ class _LinearOp(torch.autograd.Function):
     @first_order
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan)
+
+
+def _late(method: Callable, plan: Plan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``method(x, plan)`` (a primitive's forward or adjoint) holding the primitive and
+    the plan weakly: a plan's closures make no reference cycle through them, so an
+    operator's buffers go with it, not at the next garbage collection (its plans live
+    while it does, and only they call these)."""
+    fn, op, pl = method.__func__, weakref.ref(method.__self__), weakref.ref(plan)
+    return lambda x: fn(op(), x, pl())
 
 
 def steady_into(plan: Plan, shape: tuple[int, ...], slot, run: Callable, general: Callable

@@ -173,13 +173,13 @@ class FanPlan:
         tr, kept = self.world.transport, []  # kept: per tree (first buffer, more buffer)
 
         def messages(step) -> list[tuple[str, int, int]]:  # a round's, in a fixed order
-            out = []
+            msgs = []
             for parent, child in step:
                 if parent is not None:
-                    out.append(("send", parent, tag))
+                    msgs.append(("send", parent, tag))
                 if child is not None:
-                    out.append(("recv", child, tag))
-            return out
+                    msgs.append(("recv", child, tag))
+            return msgs
         moves = [tr.prepare_p2p(messages(step)) for step in steps]  # made ready once
 
         def run(x: torch.Tensor) -> torch.Tensor | None:
