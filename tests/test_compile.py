@@ -84,6 +84,6 @@ def _primitive_in_compiled_code():
     return ok
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_primitive_called_in_compiled_code(cluster, backend):
-    assert all(cluster.run(2, _primitive_in_compiled_code, backend=backend, timeout=240))
+def test_primitive_called_in_compiled_code(cluster):
+    # (gloo only: what is tested is dynamo's view of the call, the same on every backend)
+    assert all(cluster.run(2, _primitive_in_compiled_code, timeout=240))
