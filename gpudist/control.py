@@ -302,16 +302,13 @@ class Control:
     def numberer(self, key: tuple[int, ...], what: str, fingerprint: int, needs_all: bool
                  ) -> Callable[[], Op | None]:
         """:meth:`op` without the context object, for the calls of one operator and
-        direction (a primitive's plan keeps it: the hot path), its lookups made once:
+        direction (a primitive's plan keeps it: the hot path), its arguments bound once:
         ``prev = begin()`` numbers the operator and makes it current; the caller puts the
         previous operator back (``control._op = prev``) when it ends."""
-        seqs, past = self._seq, self._past.setdefault(key, [None] * HISTORY)
+        number = self._number
 
         def begin() -> Op | None:
-            seq = seqs.get(key, 0) + 1
-            seqs[key] = seq
-            past[seq % HISTORY] = op = _new_op((key, seq, what, fingerprint, needs_all))
-            prev, self._op = self._op, op
+            prev, self._op = self._op, number(key, what, fingerprint, needs_all)
             return prev
         return begin
 
