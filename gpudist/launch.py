@@ -261,6 +261,8 @@ class ForkPool(RankPool):
         super().__init__(size)
         timeout = _comm_timeout(timeout)
         ctx = mp.get_context(start)  # "spawn" for ranks that use CUDA (_start_method)
+        if start == "fork":  # forked ranks share this import: torch.optim's first
+            import torch._dynamo  # noqa: F401  (optimizer imports it, 1.4 s a rank)
         self._dir = tempfile.mkdtemp(prefix="gpudist-pool-")
         store = os.path.join(self._dir, "store")
         self.procs = []

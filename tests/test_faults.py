@@ -940,6 +940,24 @@ def test_fork_pool_starts_tasks_after_every_rank_is_initialized(monkeypatch):
         pool.close(kill=True)
 
 
+def _dynamo_imported() -> bool:
+    import sys
+
+    return "torch._dynamo" in sys.modules
+
+
+def test_forked_ranks_share_the_parents_dynamo_import():
+    """A forked pool's parent imports torch._dynamo before forking: the ranks' first
+    optimizer (torch.optim imports it on first use, 1.4 s a rank) finds it loaded."""
+    from gpudist import launch
+
+    pool = launch.ForkPool(2)
+    try:
+        assert pool.run(_dynamo_imported) == [True, True]
+    finally:
+        pool.close()
+
+
 def test_cuda_ranks_are_spawned(monkeypatch):
     """Ranks that use CUDA are spawned, never forked: a parent that merely asked
     ``torch.cuda.is_available()`` cannot fork CUDA children (the GPU bench did, and every

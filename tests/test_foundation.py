@@ -1,5 +1,6 @@
 """Launch detection, decomposition, partitions, transports, timeouts, bad input."""
 
+import json
 import os
 import subprocess
 import sys
@@ -579,38 +580,46 @@ def test_environment_settings_are_checked(monkeypatch):
             number("GPUDIST_X", 1.0, **kw)
 
 
-@pytest.mark.parametrize("var,value", [("GPUDIST_CHECK_CALLS", "off"),
-                                       ("GPUDIST_DIAG_AFTER", "abc"),
-                                       ("GPUDIST_COMM_TIMEOUT", "0"),
-                                       ("GPUDIST_PLAN_CACHE", "0"),
-                                       ("GPUDIST_FORCE_STAGING", "maybe"),
-                                       ("GPUDIST_SPIN_S", "-1"),
-                                       ("GPUDIST_PACKER", "bogus"),
-                                       ("GPUDIST_GLOO_WAIT", "spin"),
-                                       ("GPUDIST_COMM_TIMEOUT", "1e300"),
-                                       ("GPUDIST_COMM_TIMEOUT", "0.0001"),
-                                       ("GPUDIST_EXIT_TEARDOWN_S", "99999999999"),
-                                       ("GPUDIST_NAP_MAX_S", "1e6")])
-def test_a_bad_setting_is_named_at_init(var, value):
-    """In a fresh process: the bad value is a LaunchError naming it, before anything is
-    joined (the transports' and the control plane's were read after the process group
-    existed; three were read at ``import gpudist``, which ended the importing rank
-    alone); an 'off' switch is off."""
+_BAD_SETTINGS = [("GPUDIST_DIAG_AFTER", "abc"), ("GPUDIST_COMM_TIMEOUT", "0"),
+                 ("GPUDIST_PLAN_CACHE", "0"), ("GPUDIST_FORCE_STAGING", "maybe"),
+                 ("GPUDIST_SPIN_S", "-1"), ("GPUDIST_PACKER", "bogus"),
+                 ("GPUDIST_GLOO_WAIT", "spin"), ("GPUDIST_COMM_TIMEOUT", "1e300"),
+                 ("GPUDIST_COMM_TIMEOUT", "0.0001"), ("GPUDIST_EXIT_TEARDOWN_S", "99999999999"),
+                 ("GPUDIST_NAP_MAX_S", "1e6")]
+
+
+def test_a_bad_setting_is_named_at_init():
+    """In one fresh process, imported with bad values set (nothing is read at import: three
+    were, which ended the importing rank alone): each bad value alone is a LaunchError
+    naming it, before anything is joined (the transports' and the control plane's were
+    read after the process group existed); then an 'off' switch is off."""
     code = """
+import json, os
 import torch.distributed as dist
-try:
-    import gpudist
-    print('check', gpudist.init().check_calls)
-except gpudist.LaunchError as e:
-    print('refused:', e, '| joined:', dist.is_initialized())
+import gpudist
+cases = json.loads(os.environ.pop("CASES"))
+for var, _ in cases:
+    os.environ.pop(var, None)
+for var, value in cases:
+    os.environ[var] = value
+    try:
+        print("joined", var, value, gpudist.init())
+    except gpudist.LaunchError as e:
+        print("refused", var, value, "|", e, "| joined:", dist.is_initialized())
+    del os.environ[var]
+os.environ["GPUDIST_CHECK_CALLS"] = "off"
+print("check", gpudist.init().check_calls)
 """
-    p = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{var: value}),
-                       capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, CASES=json.dumps(_BAD_SETTINGS), **dict(_BAD_SETTINGS))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
     out = p.stdout + p.stderr
-    if value == "off":
-        assert p.returncode == 0 and "check False" in out, out
-    else:
-        assert f"refused: environment variable {var}" in out and "joined: False" in out, out
+    assert p.returncode == 0 and out.rstrip().endswith("check False"), out
+    lines = p.stdout.splitlines()
+    for var, value in _BAD_SETTINGS:
+        line = next((ln for ln in lines if ln.startswith(f"refused {var} {value} |")), None)
+        assert line is not None, (var, value, out)
+        assert f"| environment variable {var}" in line and line.endswith("joined: False"), line
 
 
 def test_init_again_with_another_backend_is_refused():
