@@ -33,6 +33,7 @@ OK, BAD_BLOCK, ABSENT = 1, 0, 2
 # a verify row's status: block state (bits 0-2) | 1 + what the call records for backward
 # (bits 3-5; 0: not said)
 _STATUS_MASK, _GRAD_SHIFT = 0x7, 3
+PARAM_GRAD_BITS = 40  # parameters whose requires_grad a check tells apart (then one bit)
 META_FP = 0x4D455441
 _DEVICES = ("cpu", "cuda")
 
@@ -249,10 +250,15 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     return spec
 
 
-def _records(grad: int) -> str:
-    """What a call records for backward, from its grad state (see :func:`verify`)."""
-    parts = [t for bit, t in ((1, "the input requires grad"),
-                              (2, "the parameters require grad")) if grad & bit]
+def _records(grad: int, names: Sequence[str] = ()) -> str:
+    """What a call records for backward, from its grad state (see :func:`verify`;
+    ``names``: the parameters')."""
+    parts = ["the input requires grad"] if grad & 1 else []
+    params = [i for i in range(PARAM_GRAD_BITS + 1) if grad >> (i + 1) & 1]
+    if params:
+        said = [names[i] if i < min(len(names), PARAM_GRAD_BITS) else
+                f"parameter #{i}{'+' if i == PARAM_GRAD_BITS else ''}" for i in params]
+        parts.append(f"parameter(s) {', '.join(said)} require grad")
     return " and ".join(parts) or "nothing requires grad (or no grad mode)"
 
 
@@ -266,14 +272,16 @@ def _bad_blocks(ranks: list[int], text: str) -> ShapeError:
 
 def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
            local_ok: bool, ranks: Sequence[int] | None = None, grad: int | None = None,
-           bad_text: str | None = None) -> None:
+           bad_text: str | None = None, param_names: Callable[[], list[str]] | None = None
+           ) -> None:
     """Check, across ``group``, that every rank runs the same operator (``what`` and its
     ``config`` hash) on the same ``spec``, that every block matches it, and (``grad`` not
     None) that every rank records the same adjoints for backward (else they would run on
     some ranks only: a wait, or a message a later call receives). ``grad``: bit 1 the input
-    records its graph (requires grad, in grad mode), bit 2 the parameters do (a bool: the
-    input alone). ``bad_text``: the message for ranks whose ``local_ok`` is False
-    (``{ranks}`` is filled in), where what is checked is not the block itself."""
+    records its graph (requires grad, in grad mode), bit 2 + i parameter i does (a bool:
+    the input alone; ``param_names()`` names them in a message). ``bad_text``: the
+    message for ranks whose ``local_ok`` is False (``{ranks}`` is filled in), where what
+    is checked is not the block itself."""
     if group is None or group.size == 1:
         if not local_ok:
             me = [spec.partition.world.rank] if spec else []
@@ -299,7 +307,8 @@ def verify(group: Group | None, what: str, config: int, spec: TensorSpec | None,
     grads = {r: (x.status >> _GRAD_SHIFT) - 1 for r, x in zip(group.ranks, rows)
              if x.status >> _GRAD_SHIFT}
     if len(set(grads.values())) > 1:
-        detail = "; ".join(f"rank {r}: {_records(g)}" for r, g in grads.items())
+        names = param_names() if param_names is not None else []
+        detail = "; ".join(f"rank {r}: {_records(g, names)}" for r, g in grads.items())
         raise raised_everywhere(MismatchError(
             f"{what}: ranks differ in what this call records for backward ({detail}): the "
             f"adjoints would run on some ranks only. Make the blocks (zero-volume ones too) "

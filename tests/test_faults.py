@@ -29,7 +29,7 @@ from gpudist.primitives import (
 from gpudist.spec import PARTIAL
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
-from tests.util import assert_raised_everywhere
+from tests.util import assert_raised_everywhere, gather, maxerr
 
 FAST = 15.0  # seconds: far below the pools' 60 s timeout
 
@@ -1242,26 +1242,88 @@ def _state_changed_on_one_rank(what):
     w = gpudist.world()
     P = Partition([0, 1], (1, 1, 2, 1))
     torch.manual_seed(0)
-    if what == "conv":
+    if what in ("conv", "frozen"):
         layer, dt = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64), \
             torch.float64
+    elif what == "ceil_mode":
+        layer, dt = gnn.DistributedMaxPool2d(P, 3, 2), torch.float64
     else:
         layer, dt = gnn.DistributedBatchNorm(P, 2), torch.float32
     x = _dist(P, (2, 2, 6, 4), dt)
-    layer(x)
-    if w.rank == 1:
+    if what != "frozen":  # (frozen before the first call: found by the first call's check,
+        layer(x)  # which names it; after a call, the ranks whose call is unchanged run on
+    if w.rank == 1:  # and meet the changed one's check, as for the others here)
         if what == "eps":
             layer.eps = 0.5
+        elif what == "ceil_mode":
+            layer.ceil_mode = True
+        elif what == "frozen":  # one parameter: its adjoint would run on rank 0 alone
+            layer.bias.requires_grad_(False)
         else:
             layer.double() if what == "bn_double" else layer.float()
     return layer(x).local.sum().item()
 
 
-@pytest.mark.parametrize("what", ["eps", "bn_double", "conv"])
-def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what):
+@pytest.mark.parametrize("what,text", [("eps", ""), ("bn_double", ""), ("conv", ""),
+                                       ("ceil_mode", ""), ("frozen", "weight, bias")])
+def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what, text):
+    """(``frozen``: found by the forward's check, naming the parameters; a fuzz found it
+    in backward as a diverged program, or not at all)"""
     errs, secs = _run_timed(cluster, 2, _state_changed_on_one_rank, what)
-    _is_mismatch_everywhere(errs)
+    _is_mismatch_everywhere(errs, text)
     assert secs < FAST, secs
+
+
+def _options_changed_alike():
+    """Options set alike on every rank after a first call: honoured where the layer reads
+    them at every call (batch norm's eps), else the same ValueError on every rank, the
+    world usable (a fuzz found pooling and up-sampling options, set after a call, ignored
+    for global shapes seen before, and an embedding's max_norm always)."""
+    P = Partition([0, 1], (1, 1, 2, 1))
+    x = _dist(P, (2, 2, 6, 4), torch.float64)
+    out = []
+
+    def attempt(layer, arg=x):
+        try:
+            return layer(arg)
+        except ValueError as e:
+            out.append(str(e))
+
+    pool = gnn.DistributedMaxPool2d(P, 3, 2)
+    before = pool(x).local.clone()
+    pool.ceil_mode = True
+    attempt(pool)
+    pool.ceil_mode = False  # back as built: taken again
+    out.append(torch.equal(pool(x).local, before))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 2, 3, dtype=torch.float64)
+    conv(x)
+    conv.stride = 2  # torch's name; the layer holds it in another form
+    attempt(conv)
+    emb = gnn.DistributedEmbedding(Partition([0, 1], (2, 1, 1)), 6, 3)
+    emb.max_norm = 0.5
+    attempt(emb, torch.tensor([0, 1, 2]))
+    torch.manual_seed(0)
+    bn, ref = gnn.DistributedBatchNorm(P, 2, dtype=torch.float64), \
+        torch.nn.BatchNorm2d(2, dtype=torch.float64)
+    bn(x)
+    bn.eps = ref.eps = 0.5
+    y, _ = gather(bn(x).local.detach(), P, (2, 2, 6, 4))
+    X, _ = gather(x.local, P, (2, 2, 6, 4))
+    out.append(None if y.numel() == 0 else maxerr(y, ref(X).detach()))
+    return out
+
+
+def test_options_changed_alike_after_a_call(cluster):
+    res = cluster.run(2, _options_changed_alike)
+    assert res[0][:-1] == res[1][:-1], res  # the same errors on both ranks
+    pool, back, conv, emb, _ = res[0]
+    assert "DistributedMaxPool2d: option(s) changed after the layer was built " \
+           "(ceil_mode False -> True)" in pool and "build another layer" in pool, pool
+    assert back is True
+    assert "(stride unset -> 2)" in conv, conv
+    assert "(max_norm None -> 0.5)" in emb, emb
+    assert res[0][-1] < 1e-12 and res[1][-1] is None, res
 
 
 def _weight_reshaped(ranks, how, first_call=True):

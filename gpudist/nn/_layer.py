@@ -16,6 +16,7 @@ layout so they refuse to load into another one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -30,7 +31,7 @@ from ..errors import (
     planning_error,
     raised_everywhere,
 )
-from ..meta import BAD_BLOCK, OK, Row, derive_spec, exchange, verify
+from ..meta import BAD_BLOCK, OK, PARAM_GRAD_BITS, Row, derive_spec, exchange, verify
 from ..partition import Partition
 from ..primitives import Repartition
 from ..primitives.base import entry, refuse_nonreentrant_checkpoint
@@ -56,6 +57,29 @@ def per_dim(name: str, layer: str, value, n: int, kind: type = int,
     return tuple(kind(v) for v in vals) * (n if len(vals) == 1 else 1)
 
 
+#: torch's layer options: one set on a gpudist layer that has no attribute of that name
+#: (it stores the option in another form) is refused too, not ignored
+TORCH_OPTIONS = frozenset((
+    "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+    "padding_mode", "output_padding", "ceil_mode", "count_include_pad", "divisor_override",
+    "return_indices", "size", "scale_factor", "mode", "align_corners",
+    "recompute_scale_factor", "num_embeddings", "embedding_dim", "padding_idx", "max_norm",
+    "norm_type", "scale_grad_by_freq", "sparse", "num_features", "affine",
+    "track_running_stats", "normalized_shape", "elementwise_affine", "in_features",
+    "out_features", "reduction", "ignore_index", "label_smoothing", "log_target", "full",
+    "delta", "beta"))
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype)
+_ABSENT = object()
+
+
+def _simple(value) -> bool:
+    """Whether ``value`` is an option's value (a number, string, dtype, None or a tuple or
+    list of them), not a tensor, module, partition or callable."""
+    if isinstance(value, (tuple, list)):
+        return all(_simple(v) for v in value)
+    return isinstance(value, _SIMPLE)
+
+
 class DistributedModule(torch.nn.Module):
     """Base of the layers (see the module docstring). Subclasses implement
     ``make_plan(spec) -> plan with .out`` and ``run(local, plan) -> local``."""
@@ -64,6 +88,49 @@ class DistributedModule(torch.nn.Module):
     #: the check finds too): for inputs beside the tensor that only a rank itself can
     #: check (a loss's target)
     check_outsiders = False
+    #: options a layer reads at every call, so they may be changed after it is built
+    #: (alike on every rank: they are part of ``extra_repr``, compared across ranks, or
+    #: choices of how this rank computes); any other option changed after construction
+    #: is refused at the next call (its exchanges, plans and parameters were made from it)
+    live_options: tuple[str, ...] = ("boundary_strips", "edge_split")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Each layer records its options (:meth:`_options`) once its constructor is done."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw) -> None:
+            init(self, *args, **kw)
+            self.__dict__["_built_options"] = self._options()
+
+        cls.__init__ = __init__
+
+    def _options(self) -> dict:
+        """The layer's option-like attributes: public, holding numbers, strings, dtypes,
+        None or tuples of them (``training`` aside)."""
+        return {k: v for k, v in self.__dict__.items()
+                if k[0] != "_" and k != "training" and _simple(v)}
+
+    def _changed_options(self) -> list[str]:
+        """The options changed since construction that the layer does not read at every
+        call (:attr:`live_options`), each as 'name old -> new' (a torch option name it does
+        not hold counts as set from 'unset')."""
+        built = self.__dict__.get("_built_options")
+        if built is None:
+            return []
+        now = self._options()
+        out = []
+        for k in sorted(set(built) | set(now)):
+            was, new = built.get(k, _ABSENT), now.get(k, _ABSENT)
+            if k in self.live_options or was == new or (was is _ABSENT
+                                                        and k not in TORCH_OPTIONS):
+                continue
+            out.append(f"{k} {'unset' if was is _ABSENT else repr(was)} -> "
+                       f"{'unset' if new is _ABSENT else repr(new)}")
+        return out
 
     def setup(self, P_in: Partition, participants: Sequence[int]) -> None:
         self.P_in = P_in
@@ -228,9 +295,12 @@ class DistributedModule(torch.nn.Module):
         ``train()``) makes the next call check its configuration across ranks again: a
         change made on some ranks only is a MismatchError, not a silently different
         layer there."""
-        super().__setattr__(name, value)
         if name[0] != "_" and self.__dict__.get("_last") is not None:
-            self.__dict__["_last"] = None
+            old = self.__dict__.get(name, _ABSENT)  # (the same value again, e.g. train()
+            if not (old is value or (_simple(value) and _simple(old)  # every step: no check)
+                                     and old == value)):
+                self.__dict__["_last"] = None
+        super().__setattr__(name, value)
 
     def _param_kinds(self) -> tuple:
         """Per parameter: dtype and device (alike on every rank), this rank's block shape,
@@ -279,12 +349,18 @@ class DistributedModule(torch.nn.Module):
 
     def grad_state(self, local: torch.Tensor, kinds: tuple) -> int:
         """What a call on block ``local`` records for backward (ranks must agree on it):
-        bit 1 the input's graph, bit 2 the parameters' (``kinds``: :meth:`_param_kinds`;
-        0: nothing, e.g. under no_grad). A call that records refuses non-reentrant
+        bit 1 the input's graph, bit 2 + i parameter i's (``kinds``: :meth:`_param_kinds`;
+        one frozen on some ranks only would run its peers' adjoints there alone; 0:
+        nothing, e.g. under no_grad). A call that records refuses non-reentrant
         activation checkpointing."""
         if not torch.is_grad_enabled():
             return 0
-        state = (1 if local.requires_grad else 0) | (2 if any(k[3] for k in kinds) else 0)
+        state = 1 if local.requires_grad else 0
+        for i, k in enumerate(kinds[:PARAM_GRAD_BITS]):
+            if k[3]:
+                state |= 2 << i
+        if len(kinds) > PARAM_GRAD_BITS and any(k[3] for k in kinds[PARAM_GRAD_BITS:]):
+            state |= 2 << PARAM_GRAD_BITS  # (the rest share one bit)
         if state:
             refuse_nonreentrant_checkpoint(self.name)
         return state
@@ -315,16 +391,26 @@ class DistributedModule(torch.nn.Module):
             # a layer that checks its outsiders does so where every rank sees a change (a
             # spec, an option); a change of the members' grad state alone the members check
             world_wide = outsiders and new_spec
-            if member or world_wide:
-                config = stable_hash((self.config(), [k[:2] for k in kinds]))  # alike
+            changed = self._changed_options()
+            if member or world_wide:  # (options changed on some ranks only: a mismatch)
+                config = stable_hash((self.config(), [k[:2] for k in kinds], changed))
                 self.__dict__["_checked_world"] = world_wide  # (what a loss reads when
                 # this check finds a bad target: was it every rank's?)
                 # (outsiders record nothing the members' adjoints need: their grad state
                 # is not compared)
                 verify(self.world_group if world_wide else self._group, self.name, config,
-                       spec, local_ok, grad=grad if member else None, bad_text=bad_text)
+                       spec, local_ok, grad=grad if member else None, bad_text=bad_text,
+                       param_names=self._param_names)
             elif reshaped is not None:
                 raise ShapeError(reshaped.format(ranks=[self.world.rank]))
+            if changed:  # alike on every rank that compared
+                live = [o for o in self.live_options if hasattr(self, o)]
+                raise raised_everywhere(ValueError(
+                    f"{self.name}: option(s) changed after the layer was built "
+                    f"({'; '.join(changed)}); its exchanges, plans and parameters were made "
+                    f"from the options it was built with: build another layer"
+                    + (f" (options it reads at every call: {', '.join(live)})" if live
+                       else "")))
             self.__dict__["_last"] = (spec, grad, kinds)
         self.check_kind(spec, kinds)
         if spec.partition != self.P_in:

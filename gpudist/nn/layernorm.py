@@ -72,6 +72,8 @@ def _normalized(shape, name: str) -> tuple[int, ...]:
 class _Norm(DistributedModule):
     """What the layer norms share: statistics, the normalization, the affine step."""
 
+    live_options = ("eps",)
+
     rms = False
     autocast = "probe"  # torch.autocast: layer_norm in float32 on CUDA, not on the CPU
 

@@ -49,6 +49,8 @@ class _NormPlan:
 class DistributedBatchNorm(ShardedParameters, DistributedModule):
     """BatchNorm over dims (0, 2, 3, ...) of a tensor partitioned by ``P_x``."""
 
+    live_options = ("eps", "momentum")
+
     same_dtype_as_parameters = "half"  # torch's batch norm takes half inputs, float32 stats
 
     def __init__(self, P_x: Partition, num_features: int, eps: float = 1e-5,
