@@ -31,7 +31,9 @@ from .partition import Partition
 DTYPES = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
     torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)
+) + tuple(getattr(torch, n) for n in (  # (after the first twelve: their codes stay)
+    "uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n))
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -645,6 +645,69 @@ def test_bool_sums(cluster, backend):
     assert all(cluster.run(3, _bool_sums, backend=backend))
 
 
+_ODD_DTYPES = [d for d in ("int16", "uint16", "uint32", "uint64", "float8_e4m3fn",
+                           "float8_e5m2") if hasattr(torch, d)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal takes no float8)."""
+    w = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(w), b.contiguous().view(w))
+
+
+def _odd_dtypes():
+    """Every dtype moved whole by Broadcast, AllGather, Repartition and the transpose
+    layer, and summed by AllSumReduce, ReduceScatter and SumReduce where torch adds it;
+    where it cannot (uint16), the sums are a DeviceError on every rank, the world usable.
+    gloo refused int16, uint16, uint32, uint64 and float8 ("Invalid scalar type"), which
+    aborted the world (fuzz-found); torch's uint16 sum failed on the summing rank alone."""
+    from gpudist.primitives import AllGather, Broadcast, ReduceScatter
+
+    w = gpudist.world()
+    P, root = Partition.grid((2, 1)), Partition.root(2, 0)
+    Q = Partition.grid((1, 2))
+    out = {}
+    for name in _ODD_DTYPES:
+        dt = getattr(torch, name)
+        G = torch.arange(0 if name[0] == "u" else -3, 24 if name[0] == "u" else 21).reshape(
+            4, 6).to(torch.float32).to(dt)
+        x = DistTensor.from_local(G[2 * w.rank:2 * w.rank + 2].clone(), P, (4, 6))
+        moved = [_same(Broadcast(root, P)(G if w.rank == 0 else G[:0]), G),
+                 _same(AllGather(P, 0, 0)(x).local, G),
+                 _same(Repartition(P, Q)(x).local, G[:, 3 * w.rank:3 * w.rank + 3]),
+                 _same(gnn.DistributedTranspose(P, Q)(x).local,
+                             G[:, 3 * w.rank:3 * w.rank + 3])]
+        spec = TensorSpec(P, (4, 6), dt, "cpu", (PARTIAL, PARTIAL))
+        try:
+            part = DistTensor(G.clone(), spec)
+            twice = (G.to(torch.int64) * 2).to(dt)
+            summed = [_same(AllSumReduce(P, [0])(part).local, twice),
+                      _same(ReduceScatter(P, 0, 0)(part).local,
+                                  twice[2 * w.rank:2 * w.rank + 2])]
+            sr = SumReduce(P, root)(part).local
+            summed.append(_same(sr, twice) if w.rank == 0 else sr.numel() == 0)
+        except gpudist.DeviceError as e:
+            summed = str(e)
+        after = AllSumReduce(P, [0])(torch.ones(2))  # the world still works
+        out[name] = (moved, summed, after.tolist())
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_dtype_moves_and_sums_or_is_refused(cluster, backend):
+    res = cluster.run(2, _odd_dtypes, backend=backend)
+    assert res[0].keys() == res[1].keys() and len(res[0]) == len(_ODD_DTYPES)
+    for name in _ODD_DTYPES:
+        for r in res:
+            moved, summed, after = r[name]
+            assert moved == [True] * 4 and after == [2.0, 2.0], (name, r[name])
+            if isinstance(summed, str):  # torch cannot add it: refused alike everywhere
+                assert summed == res[0][name][1] and "torch cannot add" in summed, r[name]
+            else:
+                assert summed == [True] * 3, (name, r[name])
+
+
 def _interrupted_wait():
     """Rank 0 is interrupted (Ctrl-C) while it waits in a sum's tree for rank 1, and
     catches it: the world is aborted (rank 1 is told, rank 0's next call raises), so the

@@ -20,6 +20,8 @@ class AllSumReduce(Primitive):
     """F: every worker gets the sum of the blocks of the workers that share its coordinates
     off ``axes`` (summands along ``axes``, whole copies after). F* = F."""
 
+    sums = True
+
     name = "AllSumReduce"
 
     def __init__(self, P: Partition, axes: Sequence[int]) -> None:

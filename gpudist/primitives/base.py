@@ -49,6 +49,27 @@ from ..transport.base import Group
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
+@functools.cache
+def _torch_adds(dtype: torch.dtype, device_type: str) -> str | None:
+    """None where torch adds ``dtype`` tensors on ``device_type``, else why not."""
+    try:
+        torch.zeros(1, dtype=dtype, device=device_type).add_(
+            torch.zeros(1, dtype=dtype, device=device_type))
+    except (RuntimeError, NotImplementedError) as e:
+        return (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return None
+
+
+def check_summable(what: str, spec: TensorSpec) -> None:
+    """A primitive that adds blocks refuses, on every rank (the spec is agreed), a dtype
+    torch cannot add (uint16 on the CPU): it failed on the summing ranks alone."""
+    why = _torch_adds(spec.dtype, spec.device_type)
+    if why is not None:
+        raise raised_everywhere(DeviceError(
+            f"{what}: torch cannot add {str(spec.dtype).replace('torch.', '')} tensors on "
+            f"{spec.device_type} (torch says: {why}); sum them in a wider dtype"))
+
+
 def tag_pairs(limit: int) -> range:
     """The point-to-point tags of the host sums' trees and rings, a pair (forward,
     adjoint) per primitive, for a backend taking tags up to ``limit`` (halo exchanges use
@@ -233,6 +254,7 @@ class Primitive(torch.nn.Module):
 
     name = "primitive"
     collective = True  # needs every participant to complete (a halo exchange does not)
+    sums = False  # whether F adds blocks (then torch must add the dtype: checked at plan)
 
     def __init__(self, world: World, participants: Sequence[int], config: object) -> None:
         super().__init__()
@@ -319,6 +341,8 @@ class Primitive(torch.nn.Module):
             self._remember(spec, p, grad)
             return p
         try:
+            if self.sums:
+                check_summable(self.name, spec)
             self.check_input(spec)
             out = self.out_spec(spec)
         except Exception as e:

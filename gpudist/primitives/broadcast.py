@@ -377,6 +377,8 @@ class SumReduce(_FanPrimitive):
     shape); the output is whole there.
     """
 
+    sums = True
+
     name = "SumReduce"
 
     def __init__(self, P_src: Partition, P_dst: Partition, *, transpose_dst: bool = False

@@ -171,6 +171,8 @@ class ReduceScatter(_Along):
     """F: sum the (equal-shaped) tensors along partition ``axis`` and keep this worker's
     block of tensor dim ``dim``. F*: AllGather."""
 
+    sums = True
+
     name = "ReduceScatter"
 
     def derive(self, x):

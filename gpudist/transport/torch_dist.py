@@ -38,6 +38,17 @@ from .base import P2P, Group, Staging, Transport, Work, p2p_label
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# dtypes gloo's collectives refuse ("Invalid scalar type"), moved as another dtype of the
+# same width (a view: the bytes are the same), and summed as one whose wrapping sum is
+# the same (unsigned as signed); int16 is summed in int32 (the sum cast back wraps alike)
+_GLOO_MOVE_AS = {torch.int16: torch.float16, torch.uint16: torch.float16,
+                 torch.uint32: torch.int32, torch.uint64: torch.int64}
+_GLOO_MOVE_AS.update({getattr(torch, n): torch.uint8 for n in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, n)})
+_GLOO_SUM_AS = {torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the one-dimensional tensor torch's all-gather / reduce-scatter take."""
     return t if t.dim() == 1 else t.view(-1)
@@ -257,6 +268,23 @@ class TorchDistTransport(Transport):
         self._check(t)
         return self.staging.host(key, t.shape, t.dtype)
 
+    def _moved(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a collective that copies it hands it to the backend (gloo: a dtype it
+        refuses as one of the same width it takes)."""
+        dt = _GLOO_MOVE_AS.get(t.dtype) if self.backend == "gloo" else None
+        return t if dt is None else t.view(dt)
+
+    def _summed(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """(what a summing collective hands the backend for ``t``, what copies its sum back
+        into ``t`` afterwards, or None)."""
+        if self.backend != "gloo":
+            return t, None
+        if t.dtype == torch.int16:
+            wide = t.to(torch.int32)
+            return wide, lambda: t.copy_(wide)
+        dt = _GLOO_SUM_AS.get(t.dtype)
+        return (t if dt is None else t.view(dt)), None
+
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
               orig: torch.Tensor | None = None, gloo: bool | None = None,
               then: Callable[[], None] | None = None, keep: object = None) -> Work:
@@ -341,28 +369,32 @@ class TorchDistTransport(Transport):
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Work:
         key, root = ("bcast", group.ranks, src), self.rank == src
         s = self._in(key, tensor) if root else self._out(key, tensor)  # (nothing to stage in)
-        w = dist.broadcast(s, src, group=group.handle, async_op=True)
+        w = dist.broadcast(self._moved(s), src, group=group.handle, async_op=True)
         return self._coll(w, group.doing("broadcast from", src), s, None if root else tensor)
 
     def reduce(self, tensor: torch.Tensor, dst: int, group: Group) -> Work:
         s = self._in(("reduce", group.ranks, dst), tensor)
-        w = dist.reduce(s, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+        wire, then = self._summed(s)
+        w = dist.reduce(wire, dst, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
         back = tensor if self.rank == dst else None
-        return self._coll(w, group.doing("reduce to", dst), s, back)
+        return self._coll(w, group.doing("reduce to", dst), s, back,
+                          then=then if back is not None else None)
 
     def all_reduce(self, tensor: torch.Tensor, group: Group,
                    src: torch.Tensor | None = None) -> Work:
         if src is not None:
             tensor.copy_(src)
         s = self._in(("allreduce", group.ranks), tensor)
-        w = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-        return self._coll(w, group.doing("all-reduce"), s, tensor)
+        wire, then = self._summed(s)
+        w = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+        return self._coll(w, group.doing("all-reduce"), s, tensor, then=then)
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Group) -> Work:
         out = _flat(out)
         so = self._out(("ag-out", group.ranks), out)
         si = self._in(("ag-in", group.ranks), _flat(tensor))
-        w = _all_gather_single(so, si, group=group.handle, async_op=True)
+        w = _all_gather_single(self._moved(so), self._moved(si), group=group.handle,
+                               async_op=True)
         return self._coll(w, group.doing("all-gather"), so, out)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: Group) -> Work:
@@ -376,7 +408,8 @@ class TorchDistTransport(Transport):
             # ranks, 1 / 16 MiB: 0.56x / 0.70x the all-reduce's time)
             stage = self.staging.host(("rs-chunks", group.ranks),
                                       (len(group.ranks), out.numel()), inp.dtype)
-            w = dist.all_to_all_single(stage.view(-1), si, group=group.handle, async_op=True)
+            w = dist.all_to_all_single(self._moved(stage.view(-1)), self._moved(si),
+                                       group=group.handle, async_op=True)
             return self._coll(w, what, so, out, then=lambda: torch.sum(stage, 0, out=so),
                               keep=si)
         w = dist.reduce_scatter_tensor(so, si, op=dist.ReduceOp.SUM, group=group.handle,
@@ -387,9 +420,8 @@ class TorchDistTransport(Transport):
                    even: bool = False) -> Work:
         so = self._out(("a2a-out", group.ranks), out)
         si = self._in(("a2a-in", group.ranks), inp)
-        w = dist.all_to_all_single(
-            so, si, list(out_splits), list(in_splits), group=group.handle, async_op=True
-        )
+        w = dist.all_to_all_single(self._moved(so), self._moved(si), list(out_splits),
+                                   list(in_splits), group=group.handle, async_op=True)
         return self._coll(w, group.doing("all-to-all"), so, out)
 
     def meta_all_gather(self, out: torch.Tensor, row: torch.Tensor, group: Group) -> Work:
