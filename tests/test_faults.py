@@ -646,7 +646,7 @@ def test_bool_sums(cluster, backend):
 
 
 _ODD_DTYPES = [d for d in ("int16", "uint16", "uint32", "uint64", "float8_e4m3fn",
-                           "float8_e5m2") if hasattr(torch, d)]
+                           "float8_e5m2", "complex32") if hasattr(torch, d)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1009,6 +1009,22 @@ def _dynamo_imported() -> bool:
     return "torch._dynamo" in sys.modules
 
 
+def _applied_names() -> list[str]:
+    P = Partition.grid((1, 1, gpudist.world().size, 1))
+    m = torch.nn.Sequential(gnn.DistributedConv2d(P, 2, 3, 3), gnn.DistributedBatchNorm(P, 3))
+    seen = []
+    m.apply(lambda mod: seen.append(type(mod).__name__))
+    return seen
+
+
+def test_module_apply_reaches_every_layer(cluster):
+    """``model.apply(init_fn)`` on a model of gpudist layers (their primitives are
+    submodules, whose own ``apply`` took a plan: a TypeError on every rank, fuzz-found)."""
+    for seen in cluster.run(2, _applied_names):
+        assert {"DistributedConv2d", "DistributedBatchNorm", "HaloExchange"} <= set(seen)
+        assert seen[-1] == "Sequential", seen
+
+
 def test_forked_ranks_share_the_parents_dynamo_import():
     """A forked pool's parent imports torch._dynamo before forking: the ranks' first
     optimizer (torch.optim imports it on first use, 1.4 s a rank) finds it loaded."""
@@ -1363,6 +1379,10 @@ def _options_changed_alike():
     conv(x)
     conv.stride = 2  # torch's name; the layer holds it in another form
     attempt(conv)
+    try:  # which ranks run it is fixed (a fuzz set it: each rank then raised another error)
+        conv.participants = (0,)
+    except AttributeError as e:
+        out.append(str(e))
     emb = gnn.DistributedEmbedding(Partition([0, 1], (2, 1, 1)), 6, 3)
     emb.max_norm = 0.5
     attempt(emb, torch.tensor([0, 1, 2]))
@@ -1380,7 +1400,8 @@ def _options_changed_alike():
 def test_options_changed_alike_after_a_call(cluster):
     res = cluster.run(2, _options_changed_alike)
     assert res[0][:-1] == res[1][:-1], res  # the same errors on both ranks
-    pool, back, conv, emb, _ = res[0]
+    pool, back, conv, fixed, emb, _ = res[0]
+    assert "participants" in fixed and "no setter" in fixed, fixed
     assert "DistributedMaxPool2d: option(s) changed after the layer was built " \
            "(ceil_mode False -> True)" in pool and "build another layer" in pool, pool
     assert back is True

@@ -136,7 +136,7 @@ class DistributedModule(torch.nn.Module):
         self.P_in = P_in
         self.world = P_in.world
         ranks = sorted({int(r) for r in participants})
-        self.participants = tuple(ranks)
+        self._participants = tuple(ranks)
         n = self.world.size  # every rank calls every layer: plain blocks are described here
         self.world_group = self.world.transport.group(range(n)) if n > 1 else None
         # the participants check a call that differs from the last one (world-collective)
@@ -147,6 +147,11 @@ class DistributedModule(torch.nn.Module):
         self._last: tuple[TensorSpec, int | None, tuple] | None = None
         self._param_modules: tuple[torch.nn.Module, ...] | None = None
         self._plans = LRU(self.world.cache_size)
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        """The world ranks that run the layer (fixed when it is built)."""
+        return self._participants
 
     @property
     def name(self) -> str:

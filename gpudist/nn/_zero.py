@@ -96,7 +96,7 @@ class ZeroShards:
 
     def gather(self, shard: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F: the fibre's block (shape ``block_shape``) from the chunks; F*: ReduceScatter."""
-        return self.gather_op.apply(shard, plan).view(self.block_shape)
+        return self.gather_op.apply_plan(shard, plan).view(self.block_shape)
 
     def to_root(self, shard: torch.Tensor) -> torch.Tensor | None:
         """Collective, no autograd: the whole parameter on the root worker, None elsewhere."""

@@ -265,13 +265,13 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
 
     # -- forward ----------------------------------------------------------------
     def run(self, x: torch.Tensor, plan: _ConvPlan) -> torch.Tensor:
-        x5 = self.x_bcast.apply(x.unsqueeze(1), plan.x_bcast)
-        w = self.w_bcast.apply(self.weight, plan.w_bcast)
-        b = self.b_bcast.apply(self.bias, plan.b_bcast) if self.b_bcast is not None else None
+        x5 = self.x_bcast.apply_plan(x.unsqueeze(1), plan.x_bcast)
+        w = self.w_bcast.apply_plan(self.weight, plan.w_bcast)
+        b = self.b_bcast.apply_plan(self.bias, plan.b_bcast) if self.b_bcast is not None else None
         if self.P_w.active:
             xs = x5.squeeze(1)
             strips = plan.strips if self.boundary_strips else None
-            xh = xs if strips is not None else self.halo.apply(xs, plan.halo)
+            xh = xs if strips is not None else self.halo.apply_plan(xs, plan.halo)
             bias_here = self.P_wb.active
             if plan.empty_out:  # this worker has no outputs: keep the graph, skip the op
                 y = connect(xh.new_zeros(plan.y_reduce.spec.local_shape), xh, w, b)
@@ -292,7 +292,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
                     y = connect(y, b)
         else:
             y = connect(x5.new_zeros(plan.y_reduce.spec.local_shape), x5, w, b)
-        return self.y_reduce.apply(y, plan.y_reduce)
+        return self.y_reduce.apply_plan(y, plan.y_reduce)
 
 
 def _ci0(P_w: Partition) -> Partition:

@@ -226,8 +226,8 @@ class _ChannelConvNd(ZeroParameters, DistributedModule):
         w = self.shards["weight"].gather(self.weight, plan.w)
         b = self.shards["bias"].gather(self.bias, plan.b) if self.bias is not None else None
         if self.gather_form:
-            return self.conv(self.x_gather.apply(x, plan.x_gather), w, b)
-        y = self.y_scatter.apply(self.conv(x, w, None), plan.y_scatter)
+            return self.conv(self.x_gather.apply_plan(x, plan.x_gather), w, b)
+        y = self.y_scatter.apply_plan(self.conv(x, w, None), plan.y_scatter)
         return y if b is None else y + b.view((-1,) + (1,) * self.spatial)
 
     def extra_repr(self) -> str:

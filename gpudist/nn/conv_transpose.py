@@ -287,13 +287,13 @@ class DistributedConvTransposeNd(ShardedParameters, DistributedModule):
 
     # -- forward ----------------------------------------------------------------
     def run(self, x: torch.Tensor, plan: _ConvTPlan) -> torch.Tensor:
-        x5 = self.x_bcast.apply(x.unsqueeze(1), plan.x_bcast)
-        w = self.w_bcast.apply(self.weight, plan.w_bcast)
-        b = self.b_bcast.apply(self.bias, plan.b_bcast) if self.b_bcast is not None else None
+        x5 = self.x_bcast.apply_plan(x.unsqueeze(1), plan.x_bcast)
+        w = self.w_bcast.apply_plan(self.weight, plan.w_bcast)
+        b = self.b_bcast.apply_plan(self.bias, plan.b_bcast) if self.b_bcast is not None else None
         if not self.P_w.active:
             y = connect(x5.new_zeros(plan.y_reduce.spec.local_shape), x5, w, b)
-            return self.y_reduce.apply(y, plan.y_reduce)
-        xh = self.halo.apply(x5.squeeze(1), plan.halo)
+            return self.y_reduce.apply_plan(y, plan.y_reduce)
+        xh = self.halo.apply_plan(x5.squeeze(1), plan.halo)
         b_here = b if self.P_wb.active else None  # added once, on the ci = 0 workers
         conv_t = _CONVT[self.spatial][0]
         if plan.kind == "op" and plan.crop is not None:  # the common case: a crop
@@ -312,7 +312,7 @@ class DistributedConvTransposeNd(ShardedParameters, DistributedModule):
                 b_here = None
         if b_here is None:
             y = connect(y, b)
-        return self.y_reduce.apply(y, plan.y_reduce)
+        return self.y_reduce.apply_plan(y, plan.y_reduce)
 
 
     def forward(self, x, output_size: Sequence[int] | None = None):  # type: ignore[override]

@@ -175,7 +175,7 @@ class _Embedding(DistributedModule):
     def run(self, idx: torch.Tensor, plan: _EmbPlan) -> torch.Tensor:
         n, P = self.n, self.P
         self._check_range(idx)
-        iw = self.idx_bcast.apply(idx, plan.idx)
+        iw = self.idx_bcast.apply_plan(idx, plan.idx)
         li, inside = iw, None
         nb = self.v1 - self.v0
         if P.active and P.shape[n] > 1:  # indices of my vocabulary block; others masked
@@ -190,13 +190,13 @@ class _Embedding(DistributedModule):
         w = self.weight_block(plan)
         if not P.active:
             e = connect(w.new_zeros(plan.y.spec.local_shape), w)
-            return self.y_reduce.apply(e, plan.y)
+            return self.y_reduce.apply_plan(e, plan.y)
         if inv is not None:
             w = _RowGradScale.apply(w, inv)
         e = F.embedding(li, w, self.pad_local)
         if inside is not None:
             e = e * inside.unsqueeze(-1).to(e.dtype)
-        return self.y_reduce.apply(e, plan.y)
+        return self.y_reduce.apply_plan(e, plan.y)
 
     def _check_range(self, idx: torch.Tensor) -> None:
         """An index outside ``[0, num_embeddings)`` in this rank's block: an IndexError
@@ -233,7 +233,7 @@ class _Embedding(DistributedModule):
         p = float(self.norm_type)
         if renorm and stored.numel():
             loc[1].index_add_(0, rows, stored.detach().abs().to(f64).pow(p))
-        tot = self.row_stats.apply(loc, plan)
+        tot = self.row_stats.apply_plan(loc, plan)
         count = tot[0]
         if renorm and stored.numel():
             norm = tot[1].pow(1.0 / p)
@@ -299,7 +299,7 @@ class DistributedEmbedding(ShardedParameters, _Embedding):
             device_type, (R,) * self.n + (0, 1)))
 
     def weight_block(self, plan: _EmbPlan) -> torch.Tensor:
-        return self.w_bcast.apply(self.weight, plan.weight)
+        return self.w_bcast.apply_plan(self.weight, plan.weight)
 
     def stored_rows(self):
         w = self.weight

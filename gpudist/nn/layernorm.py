@@ -187,7 +187,7 @@ class _Normalize(torch.autograd.Function):
                 loc[0] = L * mean_i
                 loc[1] = L * var_i
                 loc[2] = L * mean_i * mean_i
-        tot = allsum.apply(loc.view((loc.shape[0],) + rows), fwd).view(loc.shape[0], R)
+        tot = allsum.apply_plan(loc.view((loc.shape[0],) + rows), fwd).view(loc.shape[0], R)
         if rms:
             invstd = torch.rsqrt(tot[0] / n + eps).to(acc)
             xhat = xa * invstd[:, None]
@@ -213,7 +213,8 @@ class _Normalize(torch.autograd.Function):
             loc[-1] = (g * xhat).sum(1, dtype=f64)
             if not ctx.rms:
                 loc[0] = g.sum(1, dtype=f64)
-        tot = ctx.allsum.apply(loc.view((loc.shape[0],) + ctx.rows), ctx.bwd).view(loc.shape[0], R)
+        tot = ctx.allsum.apply_plan(loc.view((loc.shape[0],) + ctx.rows), ctx.bwd).view(
+            loc.shape[0], R)
         n, acc = ctx.n, xhat.dtype
         dx = g - xhat * (tot[-1] / n).to(acc)[:, None]
         if not ctx.rms:
@@ -255,7 +256,7 @@ class _BroadcastAffine:
         out = []
         for k in ("weight", "bias"):
             p = getattr(self, k, None)
-            out.append(None if p is None else self.params.apply(p, plan.params))
+            out.append(None if p is None else self.params.apply_plan(p, plan.params))
         return out[0], out[1]
 
 

@@ -95,7 +95,7 @@ class DistributedLinear(ShardedParameters, DistributedModule):
                            lambda nd: (REPLICATE, nd - 1))
 
     def run(self, x: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
-        xw = self.x_bcast.apply(x, plan.x_bcast)
+        xw = self.x_bcast.apply_plan(x, plan.x_bcast)
         if self.P_w.active:
             here = self.bias is not None and self.P_b.active
             y = F.linear(xw, self.weight, self.bias if here else None)
@@ -106,4 +106,4 @@ class DistributedLinear(ShardedParameters, DistributedModule):
             # it requires grad wherever torch's would (a loss on this rank can backward)
             y = connect(xw.new_zeros(plan.y_reduce.spec.local_shape), xw, self.weight,
                         self.bias)
-        return self.y_reduce.apply(y, plan.y_reduce)
+        return self.y_reduce.apply_plan(y, plan.y_reduce)

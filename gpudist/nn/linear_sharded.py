@@ -89,7 +89,7 @@ class _HomeStore:
                                           self.placements))
 
     def use(self, p: torch.Tensor, plan: Plan) -> torch.Tensor:
-        return self.bcast.apply(p, plan)
+        return self.bcast.apply_plan(p, plan)
 
 
 class _ZeroStore:
@@ -260,8 +260,8 @@ class _ShardedLinear(DistributedModule):
         w = self._wstore.use(self.weight, plan.weight)
         b = self._bstore.use(self.bias, plan.bias) if self._bstore is not None else None
         if self.gather_form:
-            return self._local(self.move.apply(x, plan.move), w, b)
-        y = self.move.apply(self._local(x, w, None), plan.move)
+            return self._local(self.move.apply_plan(x, plan.move), w, b)
+        y = self.move.apply_plan(self._local(x, w, None), plan.move)
         if b is None:
             return y
         return y + (self._expert_bias(b, y.dim()) if self.experts else b)

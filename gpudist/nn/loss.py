@@ -173,7 +173,7 @@ class DistributedLoss(DistributedModule):
         else:
             s = x.sum() * 0
             d = x.new_zeros(())
-        v = self.total.apply(torch.stack([s, d.to(s.dtype)]), plan.total)
+        v = self.total.apply_plan(torch.stack([s, d.to(s.dtype)]), plan.total)
         if not self.root.active:
             return v.sum() * 0  # a zero that keeps this rank's adjoint in the graph
         if self.reduction == "sum":

@@ -150,7 +150,7 @@ class ClassSplit:
         else:
             lse, xt = _TargetLogSumExp.apply(x, idx, mine)
         tag = t.to(wd) if not probs else x.new_full(lse.shape, math.inf)
-        both = self.gather.apply(torch.stack([lse, tag], 1), gplan)
+        both = self.gather.apply_plan(torch.stack([lse, tag], 1), gplan)
         both = both.unflatten(1, (-1, _ROWS))  # (N, k, 2, ...)
         tags = both[:, :, 1]
         if not torch.equal(tags, tags[:, :1].expand_as(tags)):
@@ -178,7 +178,7 @@ class ClassSplit:
             else:
                 smooth = torch.zeros_like(xt)
             part = torch.stack([xt, smooth], 1)
-        summed = self.sums.apply(part.reshape(shape1[:1] + (_ROWS,) + shape1[2:]), splan)
+        summed = self.sums.apply_plan(part.reshape(shape1[:1] + (_ROWS,) + shape1[2:]), splan)
         a, b = summed[:, 0], summed[:, 1]
         if probs:
             loss = LSE * b - a

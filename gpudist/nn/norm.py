@@ -142,8 +142,9 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
             y, mean, var = _SyncBatchNorm.apply(x, self.weight, self.bias, self.stats,
                                                 plan.stats, self.eps)
         else:
-            w = self.params.apply(self.weight, plan.params) if self.params is not None else None
-            b = self.params.apply(self.bias, plan.params) if self.params is not None else None
+            share = self.params
+            w = share.apply_plan(self.weight, plan.params) if share is not None else None
+            b = share.apply_plan(self.bias, plan.params) if share is not None else None
             if not use_batch:
                 return _affine(x, self.running_mean, torch.rsqrt(self.running_var + self.eps),
                                w, b)
@@ -319,13 +320,13 @@ class _SyncBatchNorm(torch.autograd.Function):
             loc[2] = n_i * v_i
         if affine and w.numel():  # the parameters' home worker (exact: one summand)
             loc[3], loc[4] = w.detach(), b.detach()
-        tot = allsum.apply(loc, plan)
+        tot = allsum.apply_plan(loc, plan)
         n = tot[0]
         mean = tot[1] / n
         spread = torch.zeros(1, C, dtype=torch.float64, device=x.device)
         if n_i:  # Chan's second sum, with the global mean known: nothing large cancels
             spread[0] = n_i * (m_i - mean) ** 2
-        var = ((tot[2] + allsum.apply(spread, plan)[0]) / n).clamp_min(0)
+        var = ((tot[2] + allsum.apply_plan(spread, plan)[0]) / n).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         wx = bx = None
         if affine:  # in the input's dtype, as the parameters' Broadcast delivered them
@@ -357,7 +358,7 @@ class _SyncBatchNorm(torch.autograd.Function):
                 sum_dy = dy.sum(dims)
                 sum_dy_xmu = (dy * (x - mean.reshape(_shape(x)))).sum(dims)
             loc[0], loc[1] = sum_dy, sum_dy_xmu
-        g = ctx.allsum.apply(loc, ctx.plan)
+        g = ctx.allsum.apply_plan(loc, ctx.plan)
         n = ctx.n
         dw = db = None
         if ctx.params is not None:  # the whole gradient, kept by the home worker

@@ -500,7 +500,7 @@ class DistributedUpsample(DistributedModule):
                                  self.recompute_scale_factor)
         if plan.edges is not None:  # torch's kernel on the block, the edges from strips
             return upsample_edges(self.halo, plan.halo, plan.edges, x)
-        y = self.halo.apply(x, plan.halo)
+        y = self.halo.apply_plan(x, plan.halo)
         if plan.empty_out:
             return y.new_zeros(plan.out.local_shape) + y.sum() * 0
         if plan.fast is not None:  # torch's fused kernel on the extended block, cropped

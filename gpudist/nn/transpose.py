@@ -83,7 +83,7 @@ class DistributedTranspose(DistributedModule):
         return _TransposePlan(p.out, p)
 
     def run(self, x, plan: _TransposePlan):
-        return self.move.apply(x, plan.move)
+        return self.move.apply_plan(x, plan.move)
 
     def extra_repr(self) -> str:
         return f"P_in={self.P_in.shape}, P_out={self.P_out.shape}"

@@ -52,9 +52,10 @@ _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bo
 @functools.cache
 def _torch_adds(dtype: torch.dtype, device_type: str) -> str | None:
     """None where torch adds ``dtype`` tensors on ``device_type``, else why not."""
-    try:
-        torch.zeros(1, dtype=dtype, device=device_type).add_(
-            torch.zeros(1, dtype=dtype, device=device_type))
+    try:  # (the trees and rings add; gloo's reduce-scatter sums its chunks)
+        z = torch.zeros(2, 1, dtype=dtype, device=device_type)
+        z[0].add_(z[1])
+        torch.sum(z, 0)
     except (RuntimeError, NotImplementedError) as e:
         return (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
@@ -492,10 +493,10 @@ class Primitive(torch.nn.Module):
             plan = self.plan(spec, ok, local.requires_grad and torch.is_grad_enabled())
             if not ok:
                 spec.check_local(local, self.name)
-            y = self.apply(local, plan)
+            y = self.apply_plan(local, plan)
             return _wrap(y, plan.out) if dist_in and plan.out else y
 
-    def apply(self, local: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def apply_plan(self, local: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Run F on this rank's block with a plan from :meth:`plan` (no checks)."""
         if not self.member:  # nothing here; stay in the graph if the input is
             z = zero_volume((plan.out or plan.spec).ndim, like=local)
