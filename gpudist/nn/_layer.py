@@ -397,6 +397,8 @@ class DistributedModule(torch.nn.Module):
             # spec, an option); a change of the members' grad state alone the members check
             world_wide = outsiders and new_spec
             changed = self._changed_options()
+            if changed:  # said first (a block or target judged by the changed options may
+                local_ok, bad_text = True, None  # look wrong); raised alike after the check
             if member or world_wide:  # (options changed on some ranks only: a mismatch)
                 config = stable_hash((self.config(), [k[:2] for k in kinds], changed))
                 self.__dict__["_checked_world"] = world_wide  # (what a loss reads when
