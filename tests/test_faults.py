@@ -1397,6 +1397,51 @@ def _options_changed_alike():
     return out
 
 
+class _CountedPool(gnn.DistributedMaxPool2d):
+    """A user's subclass keeping state of its own (not options)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def _own_state_and_adjoint_sums():
+    """A user subclass's own public state is not an option (the check refused its counter,
+    review-found); a list set for the tuple an option holds is no change; a float8 block
+    recording a Broadcast's adjoint, which adds, is a DeviceError on every rank (rank 0
+    failed alone in the sum's tree, review-found)."""
+    from gpudist.primitives import Broadcast
+
+    P = Partition([0, 1], (1, 1, 2, 1))
+    x = _dist(P, (2, 2, 6, 4), torch.float64)
+    pool = _CountedPool(P, 3, 2)
+    pool(x)
+    pool(x)
+    conv = gnn.DistributedConv2d(P, 2, 2, [3, 3], dtype=torch.float64)
+    conv(x)
+    conv.k = [3, 3]
+    conv(x)
+    out = [pool.calls]
+    src = torch.ones(3).to(torch.float8_e4m3fn).requires_grad_()
+    try:
+        Broadcast(Partition.root(1, 0), Partition.grid((2,)))(
+            src if gpudist.world().rank == 0 else src[:0].detach().requires_grad_())
+    except gpudist.DeviceError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="torch without float8")
+def test_own_state_is_not_an_option_and_adjoint_sums_are_checked(cluster):
+    res = cluster.run(2, _own_state_and_adjoint_sums)
+    assert res[0] == res[1] and res[0][0] == 2, res
+    assert "Broadcast: torch cannot add float8_e4m3fn" in res[0][1], res
+
+
 def test_options_changed_alike_after_a_call(cluster):
     res = cluster.run(2, _options_changed_alike)
     assert res[0][:-1] == res[1][:-1], res  # the same errors on both ranks

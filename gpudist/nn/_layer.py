@@ -72,6 +72,12 @@ _SIMPLE = (bool, int, float, str, type(None), torch.dtype)
 _ABSENT = object()
 
 
+def _frozen(value):
+    """An option's value as recorded: lists as tuples (a list changed in place is seen,
+    and ``[3, 3]`` set for ``(3, 3)`` is no change)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
 def _simple(value) -> bool:
     """Whether ``value`` is an option's value (a number, string, dtype, None or a tuple or
     list of them), not a tensor, module, partition or callable."""
@@ -88,17 +94,20 @@ class DistributedModule(torch.nn.Module):
     #: the check finds too): for inputs beside the tensor that only a rank itself can
     #: check (a loss's target)
     check_outsiders = False
-    #: options a layer reads at every call, so they may be changed after it is built
-    #: (alike on every rank: they are part of ``extra_repr``, compared across ranks, or
-    #: choices of how this rank computes); any other option changed after construction
-    #: is refused at the next call (its exchanges, plans and parameters were made from it)
+    #: options that may be changed after the layer is built: read at every call (alike on
+    #: every rank: part of ``extra_repr``, compared across ranks), or choices of how this
+    #: rank computes (``edge_split``, read when a plan is made: for new input specs);
+    #: any other option changed after construction is refused at the next call (its
+    #: exchanges, plans and parameters were made from it)
     live_options: tuple[str, ...] = ("boundary_strips", "edge_split")
 
     def __init_subclass__(cls, **kwargs) -> None:
-        """Each layer records its options (:meth:`_options`) once its constructor is done."""
+        """Each gpudist layer records its options (:meth:`_options`) once its constructor
+        is done (a user's subclass is not wrapped: what its own constructor adds after
+        gpudist's is its own state, not an option)."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
-        if init is None:
+        if init is None or not cls.__module__.startswith("gpudist."):
             return
 
         @functools.wraps(init)
@@ -111,7 +120,7 @@ class DistributedModule(torch.nn.Module):
     def _options(self) -> dict:
         """The layer's option-like attributes: public, holding numbers, strings, dtypes,
         None or tuples of them (``training`` aside)."""
-        return {k: v for k, v in self.__dict__.items()
+        return {k: _frozen(v) for k, v in self.__dict__.items()
                 if k[0] != "_" and k != "training" and _simple(v)}
 
     def _changed_options(self) -> list[str]:
@@ -125,8 +134,8 @@ class DistributedModule(torch.nn.Module):
         out = []
         for k in sorted(set(built) | set(now)):
             was, new = built.get(k, _ABSENT), now.get(k, _ABSENT)
-            if k in self.live_options or was == new or (was is _ABSENT
-                                                        and k not in TORCH_OPTIONS):
+            same = was == new or (was != was and new != new)  # (NaN: unchanged)
+            if k in self.live_options or same or (was is _ABSENT and k not in TORCH_OPTIONS):
                 continue
             out.append(f"{k} {'unset' if was is _ABSENT else repr(was)} -> "
                        f"{'unset' if new is _ABSENT else repr(new)}")
@@ -416,7 +425,7 @@ class DistributedModule(torch.nn.Module):
                     f"{self.name}: option(s) changed after the layer was built "
                     f"({'; '.join(changed)}); its exchanges, plans and parameters were made "
                     f"from the options it was built with: build another layer"
-                    + (f" (options it reads at every call: {', '.join(live)})" if live
+                    + (f" (options that may change: {', '.join(live)})" if live
                        else "")))
             self.__dict__["_last"] = (spec, grad, kinds)
         self.check_kind(spec, kinds)

@@ -52,18 +52,21 @@ _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bo
 @functools.cache
 def _torch_adds(dtype: torch.dtype, device_type: str) -> str | None:
     """None where torch adds ``dtype`` tensors on ``device_type``, else why not."""
-    try:  # (the trees and rings add; gloo's reduce-scatter sums its chunks)
-        z = torch.zeros(2, 1, dtype=dtype, device=device_type)
-        z[0].add_(z[1])
-        torch.sum(z, 0)
+    try:  # (the trees and rings add; gloo's reduce-scatter sums its chunks; tensors of a
+        # device the backend cannot take are summed in host memory)
+        for dev in dict.fromkeys((device_type, "cpu")):
+            z = torch.zeros(2, 1, dtype=dtype, device=dev)
+            z[0].add_(z[1])
+            torch.sum(z, 0)
     except (RuntimeError, NotImplementedError) as e:
         return (str(e).splitlines() or [type(e).__name__])[0][:160]
     return None
 
 
 def check_summable(what: str, spec: TensorSpec) -> None:
-    """A primitive that adds blocks refuses, on every rank (the spec is agreed), a dtype
-    torch cannot add (uint16 on the CPU): it failed on the summing ranks alone."""
+    """A primitive that adds blocks (its F, or its F* where the call records it) refuses,
+    on every rank (the spec is agreed), a dtype torch cannot add there or on the host
+    (uint16 on the CPU): it failed on the summing ranks alone."""
     why = _torch_adds(spec.dtype, spec.device_type)
     if why is not None:
         raise raised_everywhere(DeviceError(
@@ -336,6 +339,8 @@ class Primitive(torch.nn.Module):
                 return last[1]
         if self.member and (last is None or last[2] != grad or last[0] != spec):
             verify(self.group, self.name, self.config, spec, local_ok, grad=grad)
+            if grad:  # the adjoint adds (a broadcast's sums, a halo's, a reduce-scatter)
+                check_summable(self.name, spec)
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
@@ -448,7 +453,7 @@ class Primitive(torch.nn.Module):
     def _repeat(self, plan: Plan, grad: bool) -> Callable[[torch.Tensor], DistTensor]:
         """A member's call repeating its previous one with ``plan`` and grad mode ``grad``
         (spec, plan and grad mode checked there; the block matches the spec, dtype
-        included): :meth:`apply`'s F on the block, or F recorded for backward, numbered
+        included): :meth:`apply_plan`'s F on the block, or F recorded for backward, numbered
         and inside the world's failure scope (what it looks up bound once, per plan; the
         primitive and the plan held weakly, see :func:`_late`)."""
         ctl, name, out, identity, run = (self.world.control, self.name, plan.out,
@@ -526,7 +531,7 @@ class Primitive(torch.nn.Module):
             check_call(self.group, label, fp, w.control.count(self.participants))
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """F on a block, numbered for the control plane (both paths of :meth:`apply`)."""
+        """F on a block, numbered for the control plane (both paths of :meth:`apply_plan`)."""
         return plan.run[0](x)
 
     def run_adjoint(self, dy: torch.Tensor, plan: Plan) -> torch.Tensor:

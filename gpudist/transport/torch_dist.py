@@ -40,7 +40,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 # dtypes gloo's collectives refuse ("Invalid scalar type"), moved as another dtype of the
 # same width (a view: the bytes are the same), and summed as one whose wrapping sum is
-# the same (unsigned as signed); int16 is summed in int32 (the sum cast back wraps alike)
+# the same (unsigned as signed); 16-bit integers are summed in int32 (the sum cast back
+# wraps alike). (Which of these torch itself can add is checked at plan time.)
 _GLOO_MOVE_AS = {torch.int16: torch.float16, torch.uint16: torch.float16,
                  torch.uint32: torch.int32, torch.uint64: torch.int64}
 _GLOO_MOVE_AS.update({getattr(torch, n): torch.uint8 for n in (
@@ -279,7 +280,7 @@ class TorchDistTransport(Transport):
         into ``t`` afterwards, or None)."""
         if self.backend != "gloo":
             return t, None
-        if t.dtype == torch.int16:
+        if t.dtype in (torch.int16, torch.uint16):
             wide = t.to(torch.int32)
             return wide, lambda: t.copy_(wide)
         dt = _GLOO_SUM_AS.get(t.dtype)
