@@ -39,15 +39,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 # dtypes gloo's collectives refuse ("Invalid scalar type"), moved as another dtype of the
-# same width (a view: the bytes are the same), and summed as one whose wrapping sum is
-# the same (unsigned as signed); 16-bit integers are summed in int32 (the sum cast back
-# wraps alike). (Which of these torch itself can add is checked at plan time.)
+# same width (a view: the bytes are the same). Of these only int16 reaches a sum (the
+# others torch cannot add: refused at plan time, primitives.base.check_summable): it is
+# summed in int32 (the sum cast back wraps alike).
 _GLOO_MOVE_AS = {torch.int16: torch.float16, torch.uint16: torch.float16,
                  torch.uint32: torch.int32, torch.uint64: torch.int64}
 _GLOO_MOVE_AS.update({getattr(torch, n): torch.uint8 for n in (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
     if hasattr(torch, n)})
-_GLOO_SUM_AS = {torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -278,13 +277,10 @@ class TorchDistTransport(Transport):
     def _summed(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """(what a summing collective hands the backend for ``t``, what copies its sum back
         into ``t`` afterwards, or None)."""
-        if self.backend != "gloo":
+        if self.backend != "gloo" or t.dtype != torch.int16:
             return t, None
-        if t.dtype in (torch.int16, torch.uint16):
-            wide = t.to(torch.int32)
-            return wide, lambda: t.copy_(wide)
-        dt = _GLOO_SUM_AS.get(t.dtype)
-        return (t if dt is None else t.view(dt)), None
+        wide = t.to(torch.int32)
+        return wide, lambda: t.copy_(wide)
 
     def _coll(self, w, what: Label, staged: torch.Tensor | None = None,
               orig: torch.Tensor | None = None, gloo: bool | None = None,
