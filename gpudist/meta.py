@@ -138,9 +138,9 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
         else:
             why = (f"every rank runs {rows[0].name}, with other options on some ranks (the "
                    f"config hash covers its options, e.g. kernel size, stride, mode, eps, "
-                   f"momentum, reduction, and its parameters' dtypes: a layer built with "
-                   f"other options, its options changed after a call, or two such layers "
-                   f"called in another order)")
+                   f"momentum, reduction, a batch norm's train or eval mode, and its "
+                   f"parameters' dtypes: a layer built with other options, its options or "
+                   f"mode changed after a call, or two such layers called in another order)")
         err = MismatchError(
             f"{what}: ranks run different operators at the same point of the program "
             f"({detail}): {why}; the programs have diverged, so the world ends")
@@ -241,13 +241,31 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     spec = TensorSpec(P, tuple(glob), dtype, dev, pl)
     for c, s in sorted(shapes.items()):
         if spec.local_shape_of(c) != s:
-            r = P.world_rank_of(c)
             raise raised_everywhere(ShapeError(
                 f"{what}: the blocks over partition {P.shape} are not a block decomposition of "
-                f"a tensor: rank {r} holds a block of shape {s} at coords {c}, but a tensor of "
-                f"global shape "
-                f"{tuple(glob)} gives it {spec.local_shape_of(c)}"))
+                f"a tensor: {_misfit(spec, shapes, c, pl)}"))
     return spec
+
+
+def _misfit(spec: TensorSpec, shapes: dict, c: tuple[int, ...], pl: tuple) -> str:
+    """Where the block at coords ``c`` leaves the decomposition of ``spec``: the sizes
+    the ranks hold along the first dimension it differs in (every rank's on that line of
+    the partition, so the odd one can be seen)."""
+    P, want = spec.partition, spec.local_shape_of(c)
+    d = next(i for i, (a, b) in enumerate(zip(shapes[c], want)) if a != b)
+    axis = next((i for i, p in enumerate(pl) if p == d), None)
+    here = f"rank {P.world_rank_of(c)} holds a block of shape {shapes[c]} at coords {c}"
+    if axis is None or P.shape[axis] == 1:  # not split: every block has the whole size
+        o = (0,) * P.dim
+        return (f"{here}, rank {P.world_rank_of(o)} one of shape {shapes[o]}; dimension {d} "
+                f"is not split, so every block has its whole size")
+    line = [tuple(j if b == axis else x for b, x in enumerate(c)) for j in range(P.shape[axis])]
+    held = [shapes[q][d] if q in shapes else None for q in line]
+    split = [spec.local_shape_of(q)[d] for q in line]
+    return (f"{here}; along dimension {d} (split over partition dim {axis}) ranks "
+            f"{[P.world_rank_of(q) for q in line]} hold sizes {held}, but a tensor of size "
+            f"{spec.global_shape[d]} is split as {split} (a block too long or short on one "
+            f"rank, or blocks cut another way: pass a DistTensor or global_shape)")
 
 
 def _records(grad: int, names: Sequence[str] = ()) -> str:

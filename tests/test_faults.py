@@ -1917,19 +1917,24 @@ def _options_differ(kind):
     elif kind == "batchnorm":
         layer = gnn.DistributedBatchNorm(P, 1, eps=1e-5 if w.rank == 0 else 1e-3,
                                          dtype=torch.float64)
+    elif kind == "batchnorm-eval":  # batch statistics on rank 0, running ones on rank 1
+        layer = gnn.DistributedBatchNorm(P, 1, dtype=torch.float64).train(w.rank == 0)
     else:
         layer = gnn.DistributedMSELoss(P, "mean" if w.rank == 0 else "sum")
         return layer(x, _dist(P, (1, 1, 8, 8)))
     return layer(x)
 
 
-@pytest.mark.parametrize("kind", ["pool", "upsample", "loss", "batchnorm"])
+@pytest.mark.parametrize("kind", ["pool", "upsample", "loss", "batchnorm", "batchnorm-eval"])
 def test_layer_options_differ_between_ranks(cluster, kind):
     """A MismatchError on every rank saying that the same layer runs with other options
-    on some ranks, and that the world ends (the programs have diverged)."""
+    on some ranks, and that the world ends (the programs have diverged). A batch norm in
+    eval mode on one rank only was reported as a peer that finished its task."""
     errs, secs = _run_timed(cluster, 2, _options_differ, kind)
     cluster.discard(2, "gloo")
     _is_mismatch_everywhere(errs, "with other options on some ranks")
+    if kind == "batchnorm-eval":
+        _is_mismatch_everywhere(errs, "train or eval mode")
     _is_mismatch_everywhere(errs, "the world ends")
     assert secs < FAST, secs
 

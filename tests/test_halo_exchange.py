@@ -200,6 +200,22 @@ def test_non_block_local_shapes_raise_on_every_rank(cluster):
     errs = cluster.run(2, _bad_blocks, expect_error=True)
     assert all(e is not None and e.type == "ShapeError" for e in errs)
     assert "not a block decomposition" in errs[0].message
+    # every rank's size along the dimension, and the split a tensor of that size has
+    assert "ranks [0, 1] hold sizes [5, 3]" in errs[0].message, errs[0].message
+    assert "split as [4, 4]" in errs[0].message, errs[0].message
+
+
+def _bad_unsplit_dim():
+    P = Partition.grid((1, 2))  # dim 0 is not split: a block of another size is named
+    x = torch.zeros(4 if P.index == 1 else 3, 2)
+    HaloExchange(P, 3, padding=1)(x)
+
+
+def test_unsplit_dimension_of_another_size_is_named(cluster):
+    errs = cluster.run(2, _bad_unsplit_dim, expect_error=True)
+    assert all(e is not None and e.type == "ShapeError" for e in errs)
+    assert "rank 1 holds a block of shape (4, 2)" in errs[0].message, errs[0].message
+    assert "dimension 0 is not split" in errs[1].message, errs[1].message
 
 
 def _reuse():

@@ -104,6 +104,13 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
                 f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
                 f"partition={self.P_x.shape}")
 
+    def config(self) -> int:
+        """The layer's options and whether it normalises with the batch's statistics or
+        the running ones: ``eval()`` on some ranks only is a MismatchError at the next
+        call, naming the ranks, not a wait in the other mode's exchange."""
+        use_batch = self.training or not self.track_running_stats
+        return stable_hash((super().config(), use_batch))
+
     def make_plan(self, spec: TensorSpec) -> _NormPlan:
         g = spec.global_shape
         if not spec.standard or spec.ndim != self.P_x.dim or g[1] != self.num_features:
