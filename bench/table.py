@@ -115,7 +115,8 @@ def targets(by_kind: dict[str, list[dict]]) -> list[str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--src", default="results", help="folder of the suites' CSVs")
+    p.add_argument("--src", nargs="+", default=["results"],
+                   help="folder(s) of the suites' CSVs")
     p.add_argument("--mode", default="fwd", help="primitives: fwd or fwd+adj")
     p.add_argument("--col", default="ratio", choices=["ratio", "ratio_autograd"],
                    help="primitives: vs the raw pair, or (fwd+adj) vs it behind autograd")
@@ -124,10 +125,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "a verdict per measured case, instead of the tables")
 
 
+def _csvs(srcs: list[str]) -> list[Path]:
+    """The suites' CSVs in the folders ``srcs`` (not their subfolders: a run's A/B
+    folders stay out); a missing folder, or none holding any, is an error rather than an
+    empty table."""
+    found = []
+    for src in srcs:
+        if not Path(src).is_dir():
+            raise SystemExit(f"bench table: --src {src!r} is not a folder")
+        found += sorted(Path(src).glob("*.csv"))
+    if not found:
+        raise SystemExit(f"bench table: no CSV files in {srcs} (a run's CSVs in subfolders "
+                         f"such as halo/ and primitives/: pass those folders)")
+    return found
+
+
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
     if args.targets:
         by_kind: dict[str, list[dict]] = {}
-        for csvp in sorted(Path(args.src).glob("*.csv")):
+        for csvp in _csvs(args.src):
             by_kind.setdefault(csvp.stem.split("_")[0], []).extend(_read(csvp))
         lines = targets(by_kind)
         verdicts = [ln.rsplit("|", 2)[1].strip() for ln in lines[2:]]
@@ -135,12 +151,12 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> None:
         print("\n" + ", ".join(f"{v}: {verdicts.count(v)}"
                                for v in ("met", "unclear", "not met")))
         return
-    for csvp in sorted(Path(args.src).glob("*.csv")):
+    for csvp in _csvs(args.src):
         rows = _read(csvp)
         kind = csvp.stem.split("_")[0]
         if not rows or (kind != "primitives" and kind not in COLS):
             continue
         lines = primitives(rows, args.mode, args.col) if kind == "primitives" else \
             rows_table(rows, COLS[kind])
-        print(f"\n{csvp.name}\n")
+        print(f"\n{csvp}\n")
         print("\n".join(lines))

@@ -144,6 +144,26 @@ def test_targets_checklist_verdicts():
                         "broadcast 64 KiB fwd": "unclear"}, lines
 
 
+def test_table_reads_several_folders_and_refuses_none(tmp_path):
+    """``bench table --src`` takes the folders a run wrote (halo/, primitives/, ...); a
+    folder holding no CSV (the run's parent folder) is an error, not an empty table."""
+    a, b = tmp_path / "halo", tmp_path / "primitives"
+    a.mkdir()
+    b.mkdir()
+    (a / "halo_mpi_2r.csv").write_text("mode,backend,ratio,paired,paired_lo,paired_hi\n"
+                                       "exchange,mpi,0.9,0.9,0.8,1.0\n")
+    (b / "primitives_mpi_2r.csv").write_text(
+        "primitive,backend,ranks,bytes,mode,hint,ratio,paired,paired_lo,paired_hi\n"
+        "broadcast,mpi,2,1048576,fwd,True,3.0,3.0,2.9,3.1\n")
+    cmd = [sys.executable, "-m", "bench", "table", "--targets", "--src"]
+    p = subprocess.run(cmd + [str(a), str(b)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "met: 1, unclear: 0, not met: 1" in p.stdout, p
+    p = subprocess.run(cmd + [str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0 and "no CSV files" in p.stderr, p
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only (madvise)")
 def test_page_size_probe_runs_under_mpiexec():
     """bench/pages.py (RESULTS.md's page-size finding): two rounds of its four cases, and
