@@ -18,13 +18,19 @@ from ..runtime import World, require_world
 from ..spec import DistTensor
 
 
+_SUMS_FP = 0x41444A54  # the global sums' fingerprint in the operator history
+
+
 def _global_sum(values: list[float], world: World) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if world.size > 1:
         dev = "cuda" if world.backend == "nccl" else "cpu"
         t = t.to(dev)
-        tr = world.transport
-        tr.wait([tr.all_reduce(t, tr.group(range(world.size)))])
+        tr, ranks = world.transport, tuple(range(world.size))
+        # numbered as an operator of the world, so that a rank left alone here (a peer
+        # that failed, or finished its task) is told within seconds, as in a primitive
+        with world.control.op(ranks, "the adjoint test's global sums", _SUMS_FP):
+            tr.wait([tr.all_reduce(t, tr.group(ranks))], "the adjoint test's global sums")
     return t.cpu().tolist()
 
 
