@@ -17,7 +17,6 @@ import torch
 from ..runtime import World, require_world
 from ..spec import DistTensor
 
-
 _SUMS_FP = 0x41444A54  # the global sums' fingerprint in the operator history
 
 
