@@ -126,6 +126,14 @@ def exchange(group: Group | None, row: Row, what: str, world=None) -> list[Row]:
     return rows
 
 
+def config_of(options: object, instance: int) -> int:
+    """An operator's config for the checks across ranks: the hash of its options (high
+    bits) beside the hash of options and instance number together (low bits). Equal on
+    every rank for the same operator; where only the low bits differ, the ranks run two
+    operators alike but for their instance: built or called in another order."""
+    return (stable_hash(options) << 31) | stable_hash((options, instance))
+
+
 def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -> None:
     """Raise a MismatchError (posted to the world) unless every row names the same
     operator and configuration."""
@@ -135,6 +143,10 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
         if len({x.name for x in rows}) > 1:
             why = ("the program differs between ranks (a layer or partition created, skipped "
                    "or called on some ranks only)")
+        elif len({x.config >> 31 for x in rows}) == 1:
+            why = (f"every rank runs a {rows[0].name} with the same options, but not the same "
+                   f"one: two such operators called in another order on some ranks, or one "
+                   f"of them skipped or added there")
         else:
             why = (f"every rank runs {rows[0].name}, with other options on some ranks (the "
                    f"config hash covers its options, e.g. kernel size, stride, mode, eps, "

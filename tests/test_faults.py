@@ -1944,6 +1944,30 @@ def test_layer_options_differ_between_ranks(cluster, kind):
     assert secs < FAST, secs
 
 
+def _alike_swapped(kind):
+    """Two operators alike but for their instance, first called in swapped order on rank
+    1 (reported as 'other options' though the options are the same)."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, 2, 1))
+    if kind == "primitive":
+        a, b = AllSumReduce(P, [2]), AllSumReduce(P, [2])
+    else:
+        a, b = (gnn.DistributedConv2d(P, 1, 1, 3, padding=1, dtype=torch.float64)
+                for _ in range(2))
+    x = _dist(P, (1, 1, 8, 8))
+    first, second = (b, a) if w.rank == 1 else (a, b)
+    first(x)
+    second(x)
+
+
+@pytest.mark.parametrize("kind", ["primitive", "layer"])
+def test_alike_operators_called_in_swapped_order(cluster, kind):
+    errs, secs = _run_timed(cluster, 2, _alike_swapped, kind)
+    cluster.discard(2, "gloo")
+    _is_mismatch_everywhere(errs, "with the same options, but not the same one")
+    assert secs < FAST, secs
+
+
 def _deepcopy():
     import copy
 

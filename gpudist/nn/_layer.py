@@ -31,7 +31,16 @@ from ..errors import (
     planning_error,
     raised_everywhere,
 )
-from ..meta import BAD_BLOCK, OK, PARAM_GRAD_BITS, Row, derive_spec, exchange, verify
+from ..meta import (
+    BAD_BLOCK,
+    OK,
+    PARAM_GRAD_BITS,
+    Row,
+    config_of,
+    derive_spec,
+    exchange,
+    verify,
+)
 from ..partition import Partition
 from ..primitives import Repartition
 from ..primitives.base import entry, refuse_nonreentrant_checkpoint
@@ -173,12 +182,12 @@ class DistributedModule(torch.nn.Module):
         raise not_picklable(self.name)
 
     def config(self) -> int:
-        """What the participants must agree on, as a hash: the layer's kind, input
-        partition, instance number and options (``extra_repr``). A layer built with other
-        options on some ranks (a stride, a reduction, a mode) is a MismatchError at its
-        first call, not a hang in the exchange or a silently wrong result. A subclass's
+        """What the participants must agree on beside the layer's instance number, as a
+        hash: the layer's kind, input partition and options (``extra_repr``). A layer built
+        with other options on some ranks (a stride, a reduction, a mode) is a MismatchError
+        at its first call, not a hang in the exchange or a silently wrong result. A subclass's
         ``extra_repr`` must therefore read the same on every rank (options, not blocks)."""
-        return stable_hash((self.name, self.P_in.key, self._uid, self.extra_repr()))
+        return stable_hash((self.name, self.P_in.key, self.extra_repr()))
 
     def spec_of(self, x: torch.Tensor) -> TensorSpec:
         """The spec of a plain block: one metadata exchange over the world at every call.
@@ -409,7 +418,8 @@ class DistributedModule(torch.nn.Module):
             if changed:  # said first (a block or target judged by the changed options may
                 local_ok, bad_text = True, None  # look wrong); raised alike after the check
             if member or world_wide:  # (options changed on some ranks only: a mismatch)
-                config = stable_hash((self.config(), [k[:2] for k in kinds], changed))
+                config = config_of((self.config(), [k[:2] for k in kinds], changed),
+                                   self._uid)
                 self.__dict__["_checked_world"] = world_wide  # (what a loss reads when
                 # this check finds a bad target: was it every rank's?)
                 # (outsiders record nothing the members' adjoints need: their grad state

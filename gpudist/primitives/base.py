@@ -40,7 +40,7 @@ from ..errors import (
     planning_error,
     raised_everywhere,
 )
-from ..meta import check_call, derive_spec, verify
+from ..meta import check_call, config_of, derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
 from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
@@ -277,7 +277,7 @@ class Primitive(torch.nn.Module):
         # primitives of one set of participants get consecutive pairs)
         pairs = tag_pairs(world.transport.tag_limit)
         self.tag = pairs[(stable_hash(self.participants) + self.uid) % len(pairs)]
-        self.config = stable_hash((self.name, config, self.uid))
+        self.config = config_of((self.name, config), self.uid)
         # made once: every call names itself to the control plane with these
         self._fwd_label, self._adj_label = f"{self.label} forward", f"{self.label} adjoint"
         self._adj_scope = f"{self.name} adjoint"
