@@ -1562,6 +1562,40 @@ def test_load_global_state_dict_needs_the_whole_dict_everywhere(cluster):
     assert secs < FAST, secs
 
 
+def _load_alike_sums(kind):
+    """Rank 1 loads a dict whose tensors keep the sums of rank 0's ("rows": two rows
+    swapped; "nan": another dict with the same NaN), or loads while rank 0 runs the
+    layer ("forward"). Loaded silently before / blamed rank 0's dict."""
+    w = gpudist.world()
+    P_w = Partition.grid((2, 1))
+    lin = gnn.DistributedLinear(Partition([0], (1, 1)), Partition([0, 1], (1, 2)), P_w, 3, 4,
+                                dtype=torch.float64)
+    W, b = torch.arange(12.0, dtype=torch.float64).reshape(4, 3), torch.zeros(4,
+                                                                             dtype=torch.float64)
+    if kind == "forward":
+        if w.rank == 1:
+            return lin.load_global_state_dict({"weight": W, "bias": b})
+        x = torch.ones(2, 3, dtype=torch.float64)
+        return lin(DistTensor.from_local(x, lin.P_x, (2, 3)))
+    if kind == "nan":
+        W[0, 0] = float("nan")
+    if w.rank == 1:
+        W = W[[0, 1, 3, 2]].clone() if kind == "rows" else W.index_fill(0, torch.tensor([2]),
+                                                                         -7.0)
+    lin.load_global_state_dict({"weight": W, "bias": b})
+
+
+@pytest.mark.parametrize("kind", ["rows", "nan", "forward"])
+def test_load_global_state_dict_compares_the_values_bytes(cluster, kind):
+    errs, secs = _run_timed(cluster, 2, _load_alike_sums, kind)
+    if kind == "forward":  # a divergence, said alike on both ranks (the world ends)
+        cluster.discard(2, "gloo")
+        _is_mismatch_everywhere(errs, "ranks run different operators")
+    else:
+        _is_mismatch_everywhere(errs, "different state dicts")
+    assert secs < FAST, secs
+
+
 def _loss_target(how):
     P = Partition.grid((gpudist.world().size, 1))
     x = _dist(P, (6, 5))

@@ -17,6 +17,7 @@ layout so they refuse to load into another one.
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -39,6 +40,7 @@ from ..meta import (
     config_of,
     derive_spec,
     exchange,
+    same_program,
     verify,
 )
 from ..partition import Partition
@@ -484,6 +486,23 @@ class DistributedModule(torch.nn.Module):
         raise NotImplementedError
 
 
+def _state_digest(sd: dict) -> int:
+    """A hash of a state dict's keys, dtypes, shapes and values' bytes (62 bits): equal on
+    two ranks only for the same dict (rows swapped, or a NaN beside other changes, keep
+    sums alike but not this)."""
+    h = hashlib.blake2b(digest_size=8)
+    for k, v in sorted(sd.items(), key=lambda kv: str(kv[0])):
+        if not isinstance(v, torch.Tensor):
+            continue
+        h.update(repr((str(k), str(v.dtype), tuple(v.shape))).encode())
+        try:
+            t = v.detach().cpu().contiguous().reshape(-1)
+            h.update(t.view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError):  # (a layout without bytes to view: sparse, ...)
+            h.update(str(v).encode())
+    return int.from_bytes(h.digest(), "little") & 0x3FFFFFFFFFFFFFFF
+
+
 class ShardedParameters:
     """State dicts of a layer whose parameters are blocks of global tensors.
 
@@ -507,7 +526,7 @@ class ShardedParameters:
         """Keep this rank's blocks of a sequential layer's state dict. Collective: every
         rank passes the same whole dict (``global_state_dict()`` returns it on the root
         only: broadcast it or load it from a file on every rank). The ranks compare what
-        they were given (keys, shapes, a checksum of the values) and raise the same error
+        they were given (keys, shapes, a hash of the values' bytes) and raise the same error
         everywhere where it differs, lacks a key of the layer or has one it does not
         know (``strict=False``: missing and unknown keys allowed, as torch's)."""
         name = f"{type(self).__name__}.load_global_state_dict"
@@ -519,15 +538,12 @@ class ShardedParameters:
                   if k in sd and (not isinstance(sd[k], torch.Tensor)
                                   or tuple(sd[k].shape) != tuple(shape))]
         wrong = shapes + (missing + unknown if strict else [])
-        digest = stable_hash(tuple(
-            (k, tuple(v.shape), float(v.detach().double().sum()),
-             float(v.detach().double().abs().sum()))
-            for k, v in sorted(sd.items()) if isinstance(v, torch.Tensor)))
         w = self.root.world
         group = w.transport.group(range(w.size)) if w.size > 1 else None
         rows = exchange(group, Row.make(name[-24:], BAD_BLOCK if wrong else OK, 0, None,
-                                        "cpu", None, None, digest), name)
+                                        "cpu", None, None, _state_digest(sd)), name)
         ranks = group.ranks if group is not None else (w.rank,)
+        same_program(rows, ranks, name)  # (a peer at another operator: not a bad dict)
         bad = [r for r, x in zip(ranks, rows) if x.status != OK]
         if bad:
             here = "; ".join(f"{what} {ks}" for what, ks in (
