@@ -282,18 +282,51 @@ def _check_linear(func, name: str, args: tuple, kwargs: dict, dts: list) -> None
     ``relu(a) + relu(b)``, nor ``(a + b) + 1`` the sum of ``a + 1`` and ``b + 1``, nor a
     rounded division the sum of the rounded parts."""
     numerator = args[0] if args else kwargs.get("input")
+    scalars = [a for a in list(args) + list(kwargs.values())
+               if not isinstance(a, DistTensor) and _is_scalar(a)]
+    finite = all(_finite(a, func in _DIVISION and a is not numerator) for a in scalars)
     ok = ((func in _LINEAR_UNARY and len(dts) == 1)
           or (func in _ADDITIVE and len(dts) == 2
               and all(isinstance(a, DistTensor) for a in args[:2]))
-          or (func in _SCALING and len(dts) == 1
+          or (func in _SCALING and len(dts) == 1 and finite
               and (func not in _DIVISION or (numerator is dts[0]
                                              and kwargs.get("rounding_mode") is None))))
     if not ok:
         raise raised_everywhere(TypeError(
             f"{name} of a tensor held as summands (placement PARTIAL: the tensor is the sum "
             f"of the blocks) would apply to each summand, not to their sum; only negation, "
-            f"copies, sums of such tensors and scaling by a number are exact. Sum the blocks "
-            f"first (SumReduce or AllSumReduce)"))
+            f"copies, sums of such tensors and scaling by a finite number (division by a "
+            f"nonzero one) are exact. Sum the blocks first (SumReduce or AllSumReduce)"))
+
+
+def _is_scalar(a) -> bool:
+    return isinstance(a, (int, float, complex)) and not isinstance(a, bool) or (
+        isinstance(a, torch.Tensor) and a.dim() == 0)
+
+
+def _finite(a, divisor: bool) -> bool:
+    """Whether scaling summands by ``a`` (dividing, if ``divisor``) is exact for their
+    sum: inf * (2 + -1) is inf, inf * 2 + inf * -1 is nan."""
+    v = complex(a.item() if isinstance(a, torch.Tensor) else a)
+    return math.isfinite(v.real) and math.isfinite(v.imag) and not (divisor and v == 0)
+
+
+def _failed(func, name: str, args: tuple, kwargs: dict, spec: TensorSpec,
+            e: Exception) -> None:
+    """A point-wise op that raised on this rank: alike on every rank where the same call
+    on empty blocks raises too (dtypes, options: every rank raises it), else its data's
+    (an integer division by zero, in some blocks only) and posted to the world, whose
+    other ranks raise it at their next wait."""
+    def empty(a):
+        return a.local.new_empty((0,)) if isinstance(a, DistTensor) else a
+
+    try:
+        func(*[empty(a) for a in args], **{k: empty(v) for k, v in kwargs.items()})
+    except Exception:
+        raised_everywhere(e)
+        return
+    with spec.partition.world.control.scope(f"{name} on a DistTensor"):
+        raise e
 
 
 class DistTensor:
@@ -402,6 +435,12 @@ class DistTensor:
 
     def to(self, *args, **kwargs) -> DistTensor:
         t = self.local.to(*args, **kwargs)
+        if PARTIAL in self.spec.placements and not (t.dtype.is_floating_point
+                                                    or t.dtype.is_complex):
+            raise raised_everywhere(TypeError(
+                f"DistTensor.to({t.dtype}) of a tensor held as summands (placement PARTIAL): "
+                f"each summand would be rounded, not their sum. Sum the blocks first "
+                f"(SumReduce or AllSumReduce)"))
         return DistTensor(t, self.spec.replace(dtype=t.dtype, device_type=t.device.type),
                           check=False)
 
@@ -410,7 +449,18 @@ class DistTensor:
         blocks of the flattened dim (only its first dim split, into equal parts, or all
         later dims of extent 1); otherwise repartition first."""
         sp, n = self.spec, self.spec.ndim
+        if n == 0:
+            raise raised_everywhere(TypeError("DistTensor.flatten of a 0-d tensor: apply it "
+                                              "to x.local"))
+        for d in (start_dim, end_dim):
+            if not -n <= d < n:
+                raise raised_everywhere(IndexError(
+                    f"DistTensor.flatten: dimension out of range (expected to be in range of "
+                    f"[{-n}, {n - 1}], but got {d})"))
         a, b = start_dim % n, end_dim % n
+        if a > b:
+            raise raised_everywhere(RuntimeError(
+                "DistTensor.flatten: start_dim cannot come after end_dim"))
         if a == b:
             return self
         if not sp.standard:
@@ -464,11 +514,21 @@ class DistTensor:
                     f"{tuple(a.shape)}"))
         if PARTIAL in spec.placements:
             _check_linear(func, name, args, kwargs, dts)
+        if func is F.dropout and REPLICATE in spec.placements and \
+                (args[2] if len(args) > 2 else kwargs.get("training", True)):
+            raise raised_everywhere(TypeError(
+                "dropout of a tensor with replicated blocks (placement REPLICATE): each copy "
+                "would get its own mask, and the copies would differ. Apply it where the "
+                "tensor is split (each rank's block its own mask) or on one copy"))
 
         def unwrap(a):
             return a.local if isinstance(a, DistTensor) else a
 
-        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+        try:
+            out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+        except Exception as e:
+            _failed(func, name, args, kwargs, spec, e)
+            raise
         if not isinstance(out, torch.Tensor):  # e.g. torch.where(cond): indices of a block
             raise raised_everywhere(TypeError(_unsupported(f"does not support {name} "
                                                            f"returning {type(out).__name__}")))
@@ -477,6 +537,24 @@ class DistTensor:
 
     def _binary(self, func, other):
         return DistTensor.__torch_function__(func, (DistTensor,), (self, other))
+
+    def _inplace(self, func, other):
+        """``x += v`` and the like: the block changed in place, as torch's (aliases of x
+        see it; torch's casting rules apply)."""
+        DistTensor.__torch_function__(func, (DistTensor,), (self, other))
+        return self
+
+    def __iadd__(self, o):
+        return self._inplace(torch.Tensor.add_, o)
+
+    def __isub__(self, o):
+        return self._inplace(torch.Tensor.sub_, o)
+
+    def __imul__(self, o):
+        return self._inplace(torch.Tensor.mul_, o)
+
+    def __itruediv__(self, o):
+        return self._inplace(torch.Tensor.div_, o)
 
     def __add__(self, o):
         return self._binary(torch.Tensor.__add__, o)

@@ -5,6 +5,7 @@ The rank pools run with a 60 s communication timeout: every case here must end f
 Cases that abort their world also end their pool (the next test starts a fresh one).
 """
 
+import math
 import os
 import re
 import subprocess
@@ -26,7 +27,7 @@ from gpudist.primitives import (
     collect,
     distribute,
 )
-from gpudist.spec import PARTIAL
+from gpudist.spec import PARTIAL, REPLICATE
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
 from tests.util import assert_raised_everywhere, gather, maxerr
@@ -786,6 +787,7 @@ def _launch(case, backend, tmp):
 
 
 _BAD_ON_ONE_RANK = """
+import math
 import os
 rank = int(os.environ["PMI_RANK"])
 if rank == 1 and {setting!r}:  # a bad value seen by rank 1 alone, before the import
@@ -1827,6 +1829,70 @@ def _pointwise():
         + torch.div(input=summands, other=0.5) - torch.mul(summands, 2)  # (keywords too)
     out["exact"] = total(y).local.tolist()  # the sum is 1: (1 + 1) * 2 + 2 + 1 = 7
     return out
+
+
+def _pointwise_more(kind):
+    """A fuzz's findings: a PARTIAL tensor cast to int/bool, scaled by inf or divided by
+    0 (rounded or nan per summand); ``x += v`` not in place; dropout of copies; flatten's
+    dims; an integer division by zero in one block (raised on that rank only)."""
+    w = gpudist.world()
+    P = Partition.grid((2,))
+    if kind == "zerodiv":  # rank 0's block holds the zero: its error reaches rank 1
+        x = DistTensor(torch.tensor([6, 4]), TensorSpec(P, (4,), torch.int64, "cpu"))
+        d = DistTensor(torch.tensor([0, 2] if w.rank == 0 else [2, 2]), x.spec)
+        y = torch.div(x, d, rounding_mode="floor")
+        AllSumReduce(P, [0])(y.local.double())
+        return "no error"
+    summands = DistTensor(torch.tensor([0.6, 0.5]) * (1 if w.rank == 0 else -1) + 0.6 * w.rank,
+                          TensorSpec(P, (2,), torch.float32, "cpu", (PARTIAL,)))
+    copies = DistTensor(torch.ones(8), TensorSpec(P, (8,), torch.float32, "cpu", (REPLICATE,)))
+    split = DistTensor(torch.zeros(2), TensorSpec(P, (4,), torch.float32, "cpu"))
+    out = {}
+    for name, f in (("to_int", lambda: summands.to(torch.int64)),
+                    ("to_bool", lambda: summands.to(torch.bool)),
+                    ("inf", lambda: summands * math.inf), ("div0", lambda: summands / 0),
+                    ("dropout", lambda: torch.nn.functional.dropout(copies, 0.5)),
+                    ("flat_order", lambda: DistTensor(torch.zeros(2, 3), TensorSpec(
+                        Partition.grid((2, 1)), (4, 3), torch.float32, "cpu")).flatten(1, 0)),
+                    ("flat_range", lambda: split.flatten(0, 3))):
+        try:
+            f()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    alias = split
+    split += 1  # in place: the alias sees it, and torch's casting rules hold
+    out["alias"] = alias.local.tolist()
+    out["same"] = alias is split
+    ints = DistTensor(torch.zeros(2, dtype=torch.int64), split.spec.replace(dtype=torch.int64))
+    try:
+        ints += 0.5
+        out["int_iadd"] = "no error"
+    except RuntimeError as e:
+        out["int_iadd"] = str(e)
+    out["half"] = (summands * 2).to(torch.float64).local.tolist()  # exact: still allowed
+    out["eval_dropout"] = torch.nn.functional.dropout(copies, 0.5, False).local.tolist()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ops", "zerodiv"])
+def test_pointwise_ops_fuzz_findings(cluster, kind):
+    if kind == "zerodiv":
+        errs, secs = _run_timed(cluster, 2, _pointwise_more, kind)
+        assert errs[0] is not None and "ZeroDivisionError" in errs[0].message, errs
+        assert errs[1] is not None and errs[1].type == "RemoteError" and \
+            "ZeroDivisionError" in errs[1].message, errs
+        assert secs < FAST, secs
+        return
+    for o in cluster.run(2, _pointwise_more, kind):
+        for k in ("to_int", "to_bool", "inf", "div0"):
+            assert o[k].startswith("TypeError") and "summands" in o[k], (k, o[k])
+        assert o["dropout"].startswith("TypeError") and "copy" in o["dropout"], o
+        assert o["flat_order"].startswith("RuntimeError") and "start_dim" in o["flat_order"]
+        assert o["flat_range"].startswith("IndexError"), o
+        assert o["alias"] == [1.0, 1.0] and o["same"] is True, o
+        assert "can't be cast" in o["int_iadd"], o
+        assert o["eval_dropout"] == [1.0] * 8, o
 
 
 def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
