@@ -143,7 +143,7 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
         if len({x.name for x in rows}) > 1:
             why = ("the program differs between ranks (a layer or partition created, skipped "
                    "or called on some ranks only)")
-        elif len({x.config >> 31 for x in rows}) == 1:
+        elif len({x.config >> 31 for x in rows}) == 1 and rows[0].config >> 31:
             why = (f"every rank runs a {rows[0].name} with the same options, but not the same "
                    f"one: two such operators called in another order on some ranks, or one "
                    f"of them skipped or added there")

@@ -15,6 +15,7 @@ message saying what to use instead.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import zlib
 from collections.abc import Sequence
@@ -299,32 +300,46 @@ def _check_linear(func, name: str, args: tuple, kwargs: dict, dts: list) -> None
             f"nonzero one) are exact. Sum the blocks first (SumReduce or AllSumReduce)"))
 
 
+def _copies(spec: TensorSpec) -> bool:
+    """Whether workers hold copies of one block (REPLICATE along a partition dim of more
+    than one worker; an extent-1 dim is REPLICATE too, but holds one copy)."""
+    return any(p == REPLICATE and n > 1
+               for p, n in zip(spec.placements, spec.partition.shape))
+
+
 def _is_scalar(a) -> bool:
-    return isinstance(a, (int, float, complex)) and not isinstance(a, bool) or (
-        isinstance(a, torch.Tensor) and a.dim() == 0)
+    """A number alike on every rank (Python's, NumPy's): checked at no cost. A 0-dim
+    tensor is each rank's own value and not read (no device sync per call)."""
+    return isinstance(a, numbers.Number) and not isinstance(a, bool)
 
 
 def _finite(a, divisor: bool) -> bool:
     """Whether scaling summands by ``a`` (dividing, if ``divisor``) is exact for their
     sum: inf * (2 + -1) is inf, inf * 2 + inf * -1 is nan."""
-    v = complex(a.item() if isinstance(a, torch.Tensor) else a)
+    v = complex(a)
     return math.isfinite(v.real) and math.isfinite(v.imag) and not (divisor and v == 0)
 
 
 def _failed(func, name: str, args: tuple, kwargs: dict, spec: TensorSpec,
             e: Exception) -> None:
     """A point-wise op that raised on this rank: alike on every rank where the same call
-    on empty blocks raises too (dtypes, options: every rank raises it), else its data's
-    (an integer division by zero, in some blocks only) and posted to the world, whose
-    other ranks raise it at their next wait."""
+    on empty blocks raises too (dtypes, options, a leaf changed in place: every rank
+    raises it), else its data's (an integer division by zero, in some blocks only) and
+    posted to the world, whose other ranks raise it at their next wait. With a plain
+    tensor among the operands (each rank's own value) it is posted without asking."""
     def empty(a):
-        return a.local.new_empty((0,)) if isinstance(a, DistTensor) else a
+        t = a.local
+        return t.new_empty((0,)).requires_grad_(t.requires_grad and t.is_leaf)
 
-    try:
-        func(*[empty(a) for a in args], **{k: empty(v) for k, v in kwargs.items()})
-    except Exception:
-        raised_everywhere(e)
-        return
+    operands = list(args) + list(kwargs.values())
+    if not any(isinstance(a, torch.Tensor) for a in operands):
+        try:
+            func(*[empty(a) if isinstance(a, DistTensor) else a for a in args],
+                 **{k: empty(v) if isinstance(v, DistTensor) else v
+                    for k, v in kwargs.items()})
+        except Exception:
+            raised_everywhere(e)
+            return
     with spec.partition.world.control.scope(f"{name} on a DistTensor"):
         raise e
 
@@ -435,8 +450,8 @@ class DistTensor:
 
     def to(self, *args, **kwargs) -> DistTensor:
         t = self.local.to(*args, **kwargs)
-        if PARTIAL in self.spec.placements and not (t.dtype.is_floating_point
-                                                    or t.dtype.is_complex):
+        if PARTIAL in self.spec.placements and t.dtype != self.local.dtype and not (
+                t.dtype.is_floating_point or t.dtype.is_complex):
             raise raised_everywhere(TypeError(
                 f"DistTensor.to({t.dtype}) of a tensor held as summands (placement PARTIAL): "
                 f"each summand would be rounded, not their sum. Sum the blocks first "
@@ -514,8 +529,9 @@ class DistTensor:
                     f"{tuple(a.shape)}"))
         if PARTIAL in spec.placements:
             _check_linear(func, name, args, kwargs, dts)
-        if func is F.dropout and REPLICATE in spec.placements and \
-                (args[2] if len(args) > 2 else kwargs.get("training", True)):
+        if func is F.dropout and _copies(spec) and \
+                (args[2] if len(args) > 2 else kwargs.get("training", True)) and \
+                (args[1] if len(args) > 1 else kwargs.get("p", 0.5)) != 0:
             raise raised_everywhere(TypeError(
                 "dropout of a tensor with replicated blocks (placement REPLICATE): each copy "
                 "would get its own mask, and the copies would differ. Apply it where the "

@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import gpudist
 import gpudist.nn as gnn
 from gpudist import DistTensor, Partition, TensorSpec
+from gpudist.errors import is_everywhere
 from gpudist.halo import HaloExchange
 from gpudist.primitives import (
     AllSumReduce,
@@ -1872,6 +1874,26 @@ def _pointwise_more(kind):
         out["int_iadd"] = str(e)
     out["half"] = (summands * 2).to(torch.float64).local.tolist()  # exact: still allowed
     out["eval_dropout"] = torch.nn.functional.dropout(copies, 0.5, False).local.tolist()
+    # (a review's findings) an extent-1 partition dim is REPLICATE but holds one copy;
+    # a PARTIAL integer tensor kept in its dtype; NumPy numbers are numbers; a leaf
+    # changed in place is torch's error on every rank, the world usable
+    rows = DistTensor(torch.ones(2, 3), TensorSpec(Partition.grid((2, 1)), (4, 3),
+                                                   torch.float32, "cpu"))
+    out["split_dropout"] = tuple(torch.nn.functional.dropout(rows, 0.5).local.shape)
+    isum = DistTensor(torch.ones(2, dtype=torch.int64), summands.spec.replace(
+        dtype=torch.int64))
+    out["int_to"] = isum.to(torch.int64).dtype == torch.int64
+    try:
+        summands * np.float32("inf")
+        out["np_inf"] = "no error"
+    except TypeError as e:
+        out["np_inf"] = str(e)
+    leaf = DistTensor(torch.zeros(2, requires_grad=True), split.spec)
+    try:
+        leaf += 1
+    except RuntimeError as e:
+        out["leaf"] = is_everywhere(e)
+    out["alive"] = AllSumReduce(P, [0])(torch.ones(1, dtype=torch.float64)).tolist()
     return out
 
 
@@ -1893,6 +1915,8 @@ def test_pointwise_ops_fuzz_findings(cluster, kind):
         assert o["alias"] == [1.0, 1.0] and o["same"] is True, o
         assert "can't be cast" in o["int_iadd"], o
         assert o["eval_dropout"] == [1.0] * 8, o
+        assert o["split_dropout"] == (2, 3) and o["int_to"] is True, o
+        assert "summands" in o["np_inf"] and o["leaf"] is True and o["alive"] == [2.0], o
 
 
 def test_pointwise_ops_refuse_what_would_be_wrong(cluster):

@@ -495,11 +495,13 @@ def _state_digest(sd: dict) -> int:
         if not isinstance(v, torch.Tensor):
             continue
         h.update(repr((str(k), str(v.dtype), tuple(v.shape))).encode())
+        t = v.detach()
         try:
-            t = v.detach().cpu().contiguous().reshape(-1)
+            t = t.to_dense() if t.layout != torch.strided else t
+            t = t.resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
             h.update(t.view(torch.uint8).numpy().tobytes())
-        except (RuntimeError, TypeError):  # (a layout without bytes to view: sparse, ...)
-            h.update(str(v).encode())
+        except (RuntimeError, TypeError):  # (a layout without bytes to view: its values)
+            h.update(repr(t.tolist()).encode())
     return int.from_bytes(h.digest(), "little") & 0x3FFFFFFFFFFFFFFF
 
 
