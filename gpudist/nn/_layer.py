@@ -486,7 +486,7 @@ class DistributedModule(torch.nn.Module):
         raise NotImplementedError
 
 
-def _state_digest(sd: dict) -> int:
+def state_digest(sd: dict) -> int:
     """A hash of a state dict's keys, dtypes, shapes and values' bytes (62 bits): equal on
     two ranks only for the same dict (rows swapped, or a NaN beside other changes, keep
     sums alike but not this)."""
@@ -543,7 +543,7 @@ class ShardedParameters:
         w = self.root.world
         group = w.transport.group(range(w.size)) if w.size > 1 else None
         rows = exchange(group, Row.make(name[-24:], BAD_BLOCK if wrong else OK, 0, None,
-                                        "cpu", None, None, _state_digest(sd)), name)
+                                        "cpu", None, None, state_digest(sd)), name)
         ranks = group.ranks if group is not None else (w.rank,)
         same_program(rows, ranks, name)  # (a peer at another operator: not a bad dict)
         bad = [r for r, x in zip(ranks, rows) if x.status != OK]

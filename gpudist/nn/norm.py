@@ -22,7 +22,6 @@ statistics, a batch of 0) they are broadcast, with the SumReduce as adjoint. Emp
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ from ..partition import Partition
 from ..primitives import AllSumReduce, Broadcast, Plan
 from ..primitives.base import layer_adjoint
 from ..spec import PARTIAL, REPLICATE, TensorSpec, stable_hash
-from ._layer import DistributedModule, ShardedParameters
+from ._layer import DistributedModule, ShardedParameters, state_digest
 from ._params import parameter
 
 
@@ -223,13 +222,8 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         if w.size == 1:
             return
         block = self.P_x.coords[1] if self.P_x.active else -1
-        digest = 0
-        if block >= 0:
-            h = hashlib.blake2b(digest_size=4)
-            for k in ("running_mean", "running_var", "num_batches_tracked"):
-                t = getattr(self, k).detach().cpu().reshape(-1).contiguous()
-                h.update(t.view(torch.uint8).numpy().tobytes())
-            digest = int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
+        digest = state_digest({k: getattr(self, k) for k in (
+            "running_mean", "running_var", "num_batches_tracked")}) if block >= 0 else 0
         group = self.world_group
         me = stable_hash((self._uid, self.P_x.key))  # this layer, on every rank alike
         rows = exchange(group, Row.make(name[-24:], OK, me, None, "cpu", [block + 1],
