@@ -34,6 +34,9 @@ OK, BAD_BLOCK, ABSENT = 1, 0, 2
 # (bits 3-5; 0: not said)
 _STATUS_MASK, _GRAD_SHIFT = 0x7, 3
 PARAM_GRAD_BITS = 40  # parameters whose requires_grad a check tells apart (then one bit)
+# a grad state's bit: the call runs inside torch.utils.checkpoint(use_reentrant=False)
+# (gpudist.checkpoint); ranks must agree on it as on the rest
+CHECKPOINT_BIT = 1 << (PARAM_GRAD_BITS + 2)
 META_FP = 0x4D455441
 _DEVICES = ("cpu", "cuda")
 
@@ -289,7 +292,10 @@ def _records(grad: int, names: Sequence[str] = ()) -> str:
         said = [names[i] if i < min(len(names), PARAM_GRAD_BITS) else
                 f"parameter #{i}{'+' if i == PARAM_GRAD_BITS else ''}" for i in params]
         parts.append(f"parameter(s) {', '.join(said)} require grad")
-    return " and ".join(parts) or "nothing requires grad (or no grad mode)"
+    text = " and ".join(parts) or "nothing requires grad (or no grad mode)"
+    if grad & CHECKPOINT_BIT:
+        text += ", inside torch.utils.checkpoint(use_reentrant=False)"
+    return text
 
 
 def _bad_blocks(ranks: list[int], text: str) -> ShapeError:

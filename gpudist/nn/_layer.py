@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..buffers import LRU
+from ..checkpoint import anchor, region, top_hooks
 from ..errors import (
     DeviceError,
     MismatchError,
@@ -45,7 +46,7 @@ from ..meta import (
 )
 from ..partition import Partition
 from ..primitives import Repartition
-from ..primitives.base import entry, refuse_nonreentrant_checkpoint
+from ..primitives.base import entry
 from ..spec import DistTensor, TensorSpec, stable_hash
 from ._params import block
 
@@ -273,6 +274,8 @@ class DistributedModule(torch.nn.Module):
         local = x.local if dist_in else x
         spec = x.spec if dist_in else self.spec_of(local)
         local, spec = self.autocast_input(local, spec)
+        if top_hooks(False) is not None and region():  # a non-reentrant checkpoint's
+            local = anchor(local)  # region: every operator in it records (gpudist.checkpoint)
         if self.autocast == "probe":
             self.check_op_dtype(spec)
         return dist_in, local, spec
@@ -376,8 +379,8 @@ class DistributedModule(torch.nn.Module):
         """What a call on block ``local`` records for backward (ranks must agree on it):
         bit 1 the input's graph, bit 2 + i parameter i's (``kinds``: :meth:`_param_kinds`;
         one frozen on some ranks only would run its peers' adjoints there alone; 0:
-        nothing, e.g. under no_grad). A call that records refuses non-reentrant
-        activation checkpointing."""
+        nothing, e.g. under no_grad), with :data:`~gpudist.meta.CHECKPOINT_BIT` inside a
+        non-reentrant checkpoint region (ranks must checkpoint alike)."""
         if not torch.is_grad_enabled():
             return 0
         state = 1 if local.requires_grad else 0
@@ -386,8 +389,8 @@ class DistributedModule(torch.nn.Module):
                 state |= 2 << i
         if len(kinds) > PARAM_GRAD_BITS and any(k[3] for k in kinds[PARAM_GRAD_BITS:]):
             state |= 2 << PARAM_GRAD_BITS  # (the rest share one bit)
-        if state:
-            refuse_nonreentrant_checkpoint(self.name)
+        if top_hooks(False) is not None:
+            state |= region()
         return state
 
     def plan(self, spec: TensorSpec, local: torch.Tensor | None = None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint import mark, region, top_hooks
 from ..halo import HaloExchange
 from ..halo.plan import Box, HaloPlan, Shell, numel, slices
 from ..primitives import Plan
@@ -154,7 +155,8 @@ class EdgePlan:
 def upsample_edges(H: HaloExchange, plan: Plan, ep: EdgePlan, x: torch.Tensor
                    ) -> torch.Tensor:
     """This worker's outputs of a linear up-sampling by the split (module docstring)."""
-    return _EdgeUpsample.apply(H, plan, ep, x)
+    m = mark(x) if top_hooks(False) is not None and region() else None
+    return _EdgeUpsample.apply(H, plan, ep, x, m)
 
 
 class _EdgeUpsample(torch.autograd.Function):
@@ -163,7 +165,7 @@ class _EdgeUpsample(torch.autograd.Function):
     through H*, the block's adjoint, H* completed and added in."""
 
     @staticmethod
-    def forward(ctx, H, plan, ep, x):  # type: ignore[override]
+    def forward(ctx, H, plan, ep, x, m):  # type: ignore[override]
         mode = _MODE[x.dim() - 2]
         with H.shell_exchange(x, plan, ep.shell) as ex:  # the block's map overlaps it
             y = F.interpolate(x, scale_factor=ep.scales, mode=mode, align_corners=False)
@@ -173,12 +175,17 @@ class _EdgeUpsample(torch.autograd.Function):
                               align_corners=False)
             y[slices(e.y_box)].copy_(s[slices(e.strip_crop)])
         ctx.setup = (H, plan, ep, tuple(x.shape))
+        ctx.marked = m is not None
+        if m is not None:  # a checkpoint region's marker (gpudist.checkpoint)
+            ctx.save_for_backward(m)
         return y
 
     @staticmethod
     @layer_adjoint  # double backward: torch's clear error; failures posted to the world
     def backward(ctx, gy):  # type: ignore[override]
         H, plan, ep, x_shape = ctx.setup
+        if ctx.marked:
+            ctx.saved_tensors  # noqa: B018 - unpacked: the region is recomputed first
         sc = ep.scales
         G = H.shell_gradient(plan, ep.shell, gy)
         for e in ep.edges:  # first, the strips' maps taken back: they go out meanwhile
@@ -197,7 +204,7 @@ class _EdgeUpsample(torch.autograd.Function):
                 gb[slices(e.block_crop)] = gy[slices(e.y_box)]
                 gx.narrow(e.dim, b0, b1 - b0).sub_(_interp_backward(gb, bshape, sc))
         H.shell_add(G, ep.shell, gx)
-        return None, None, None, gx
+        return None, None, None, gx, None
 
 
 def _out_shape(in_shape: Sequence[int], scales: Sequence[float]) -> list[int]:

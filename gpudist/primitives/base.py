@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..buffers import LRU, BufferPool
+from ..checkpoint import mark, region, top_hooks
 from ..errors import (
     DeviceError,
     ShapeError,
@@ -40,7 +41,7 @@ from ..errors import (
     planning_error,
     raised_everywhere,
 )
-from ..meta import check_call, config_of, derive_spec, verify
+from ..meta import CHECKPOINT_BIT, check_call, config_of, derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
 from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
@@ -215,24 +216,6 @@ def layer_adjoint(backward: Callable) -> Callable:
     return run
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def refuse_nonreentrant_checkpoint(what: str) -> None:
-    """Raise (alike on every rank) if a call recording its graph runs inside
-    ``torch.utils.checkpoint(..., use_reentrant=False)``: that form recomputes the region
-    when a rank first unpacks one of its saved tensors, ranks save different tensors (a
-    broadcast's root, inactive ranks), so ranks would recompute at different points of
-    backward and their collectives would not match. 0.05 us."""
-    hooks = _top_hooks(False) if _top_hooks is not None else None
-    if hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint":
-        raise raised_everywhere(RuntimeError(
-            f"{what}: called inside torch.utils.checkpoint(..., use_reentrant=False), which "
-            f"gpudist does not support (ranks would recompute the region at different "
-            f"points of backward); use use_reentrant=True, which recomputes it at one point "
-            f"on every rank"))
-
-
 @dataclass
 class Plan:
     """One input spec's plan: the output spec, this rank's ``local`` plan, and whether the
@@ -249,8 +232,9 @@ class Plan:
     adj: Callable[[torch.Tensor], torch.Tensor] | None = None
     # a member's F and F* numbered (Primitive._numbered: the steady form or the general)
     run: tuple[Callable, Callable] | tuple[None, None] = (None, None)
-    # a member's repeated call without / with the adjoint recorded (Primitive._repeat)
-    again: tuple[Callable, Callable] | tuple[None, None] = (None, None)
+    # a member's repeated call by what it records (record_mode: 0 nothing, 1 F with F*,
+    # | CHECKPOINT_BIT inside a non-reentrant checkpoint region; Primitive._repeat)
+    again: dict = field(default_factory=dict)
 
 
 class Primitive(torch.nn.Module):
@@ -339,8 +323,8 @@ class Primitive(torch.nn.Module):
                 return last[1]
         if self.member and (last is None or last[2] != grad or last[0] != spec):
             verify(self.group, self.name, self.config, spec, local_ok, grad=grad)
-            if grad:  # the adjoint adds (a broadcast's sums, a halo's, a reduce-scatter)
-                check_summable(self.name, spec)
+            if grad and grad & 1:  # the adjoint adds (a broadcast's sums, a halo's, a
+                check_summable(self.name, spec)  # reduce-scatter)
         p = self._plans.get(spec)
         if p is not None:
             self._plans.move_to_end(spec)
@@ -367,9 +351,14 @@ class Primitive(torch.nn.Module):
         self._remember(spec, p, grad)
         return p
 
-    def _remember(self, spec: TensorSpec, p: Plan, grad: bool | None) -> None:
+    def _remember(self, spec: TensorSpec, p: Plan, grad: int | None) -> None:
         """The call now checked becomes the last one, which the next call may repeat."""
-        self._last = (spec, p, grad, None if grad is None else p.again[grad])
+        again = None
+        if grad is not None and self.member:
+            again = p.again.get(grad)
+            if again is None:
+                again = p.again[grad] = self._repeat(p, grad)
+        self._last = (spec, p, grad, again)
 
     def _made(self, spec: TensorSpec, out: TensorSpec, local: object, identity: bool,
               fp: int) -> Plan:
@@ -379,7 +368,7 @@ class Primitive(torch.nn.Module):
         if self.member:
             p.run = (self._numbered(p.fwd or _late(self.forward, p), self._fwd_label, fp),
                      self._numbered(p.adj or _late(self.adjoint, p), self._adj_label, fp + 1))
-            p.again = (self._repeat(p, False), self._repeat(p, True))
+            p.again = {0: self._repeat(p, 0), 1: self._repeat(p, 1)}
         return p
 
     def _numbered(self, f: Callable[[torch.Tensor], torch.Tensor], label: str, fp: int
@@ -443,22 +432,26 @@ class Primitive(torch.nn.Module):
                 again = last[3]
                 if again is not None:
                     local = x.local
-                    if ((local.requires_grad and _grad_mode()) == last[2]
-                            and last[0].matches(local)):
+                    mode = local.requires_grad and _grad_mode()
+                    if top_hooks(False) is not None:  # perhaps a checkpoint region
+                        mode = record_mode(local)
+                    if mode == last[2] and last[0].matches(local):
                         return again(local)
         return self._call(x)
 
     __call__ = eager(__call__)
 
-    def _repeat(self, plan: Plan, grad: bool) -> Callable[[torch.Tensor], DistTensor]:
-        """A member's call repeating its previous one with ``plan`` and grad mode ``grad``
-        (spec, plan and grad mode checked there; the block matches the spec, dtype
-        included): :meth:`apply_plan`'s F on the block, or F recorded for backward, numbered
+    def _repeat(self, plan: Plan, grad: int) -> Callable[[torch.Tensor], DistTensor]:
+        """A member's call repeating its previous one with ``plan`` and record mode
+        ``grad`` (:func:`record_mode`; spec, plan and mode checked there; the block matches
+        the spec, dtype included): :meth:`apply_plan`'s F on the block, or F recorded for
+        backward (marked inside a checkpoint region), numbered
         and inside the world's failure scope (what it looks up bound once, per plan; the
         primitive and the plan held weakly, see :func:`_late`)."""
         ctl, name, out, identity, run = (self.world.control, self.name, plan.out,
                                          plan.identity, plan.run[0])
         me, pl = weakref.ref(self), weakref.ref(plan)
+        marked = bool(grad & CHECKPOINT_BIT)
 
         def again(local: torch.Tensor) -> DistTensor:
             if ctl.aborted is not None:
@@ -467,8 +460,7 @@ class Primitive(torch.nn.Module):
                 if identity:
                     y = local
                 elif grad:
-                    refuse_nonreentrant_checkpoint(name)
-                    y = _record(me(), pl(), local)
+                    y = _record(me(), pl(), local, mark(local) if marked else None)
                 else:
                     y = run(local)
             except BaseException as e:
@@ -495,7 +487,7 @@ class Primitive(torch.nn.Module):
             spec = x.spec if dist_in else self.derive(local)
             local = spec.adopt(local)
             ok = spec.matches(local)
-            plan = self.plan(spec, ok, local.requires_grad and torch.is_grad_enabled())
+            plan = self.plan(spec, ok, record_mode(local))
             if not ok:
                 spec.check_local(local, self.name)
             y = self.apply_plan(local, plan)
@@ -510,9 +502,12 @@ class Primitive(torch.nn.Module):
             return local
         if local.dtype != plan.spec.dtype:  # the wire carries the agreed dtype (autocast's
             local = local.to(plan.spec.dtype)  # promotions can differ between ranks)
-        if local.requires_grad and torch.is_grad_enabled():
-            refuse_nonreentrant_checkpoint(self.name)
-            return _record(self, plan, local)
+        mode = local.requires_grad and torch.is_grad_enabled()
+        if top_hooks(False) is not None:  # perhaps a checkpoint region
+            mode = record_mode(local)
+        if mode:
+            return _record(self, plan, local,
+                           mark(local) if mode & CHECKPOINT_BIT else None)
         return self.run_forward(local, plan)  # no graph to record: F alone
 
     def numbered(self, plan: Plan, adjoint: bool = False):
@@ -572,14 +567,22 @@ class _LinearOp(torch.autograd.Function):
     :func:`_record` (``apply`` without its Python wrapper)."""
 
     @staticmethod
-    def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor):  # type: ignore[override]
-        ctx.op, ctx.plan = op, plan
-        return op.run_forward(x, plan)
+    def forward(ctx, op: Primitive, plan: Plan, x: torch.Tensor,  # type: ignore[override]
+                m: torch.Tensor | None):
+        ctx.op, ctx.plan, ctx.marked = op, plan, m is not None
+        y = op.run_forward(x, plan)
+        if m is not None:  # inside a non-reentrant checkpoint region: a marker to unpack
+            ctx.save_for_backward(m)  # before the adjoint (gpudist.checkpoint)
+        return y
 
     @staticmethod
     @first_order
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan)
+        if ctx.marked:
+            ctx.saved_tensors  # noqa: B018 - unpacked: the region is recomputed first
+            if not ctx.needs_input_grad[2]:  # recorded for the region alone (alike on
+                return None, None, None, None  # every rank: the call check compares it)
+        return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan), None
 
 
 def _late(method: Callable, plan: Plan) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -625,11 +628,23 @@ _c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _LinearOp)
 _transforms_active = torch._C._are_functorch_transforms_active
 
 
-def _record(op: Primitive, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+def record_mode(local: torch.Tensor) -> int:
+    """What a call on block ``local`` records for backward: 0 nothing, 1 F (its adjoint
+    runs in backward), ``| CHECKPOINT_BIT`` inside a non-reentrant checkpoint region, where
+    a floating-point block that requires no grad is recorded too (for the region's
+    recomputation; its adjoint skipped; see :mod:`gpudist.checkpoint`)."""
+    mode = 1 if local.requires_grad and torch.is_grad_enabled() else 0
+    if local.is_floating_point() or local.is_complex():
+        mode |= region()
+    return mode
+
+
+def _record(op: Primitive, plan: Plan, x: torch.Tensor, m: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """``_LinearOp.apply(op, plan, x)``: torch's C entry directly (1-1.5 us less a call)
     unless a torch.func transform is active (then its Python wrapper, which handles
     them). What the wrapper adds otherwise does not apply here: no ``setup_context``,
     no functorch wrappers to unwrap."""
     if _transforms_active():
-        return _LinearOp.apply(op, plan, x)
-    return _c_apply(op, plan, x)
+        return _LinearOp.apply(op, plan, x, m)
+    return _c_apply(op, plan, x, m)
