@@ -24,7 +24,7 @@ from ..meta import derive_spec
 from ..partition import Partition
 from ..spec import PARTIAL, REPLICATE, TensorSpec
 from ..transport.base import Group
-from .base import Plan, Primitive, empty_of, opaque_spec, zero_volume
+from .base import Plan, Primitive, empty_of, zero_volume
 from .ring import torch_sums
 
 _CPU = torch.device("cpu")
@@ -348,9 +348,10 @@ class Broadcast(_FanPrimitive):
         self.fans = FanPlan(view, P_dst, "Broadcast")
 
     def derive(self, x):
-        if x.dim() != self.P_src.dim:
-            return opaque_spec(self.P_src, x, self.name, self.group)
-        return super().derive(x)
+        P = self.P_src  # blocks, or opaque summands where they have another rank: told
+        # by the sources' blocks (a destination's empty tensor says nothing)
+        return derive_spec(P, x, self.name, self.group, lambda nd: tuple(range(P.dim))
+                           if nd == P.dim else (PARTIAL,) * P.dim)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         view = _transposed(spec) if self.transpose_src else spec
@@ -389,12 +390,13 @@ class SumReduce(_FanPrimitive):
         self.fans = FanPlan(self.view, P_src, "SumReduce")
 
     def derive(self, x):
-        if x.dim() != self.P_src.dim:
-            return opaque_spec(self.P_src, x, self.name, self.group)
-        # the summed dimensions hold summands; the others split the tensor as usual
-        pl = [PARTIAL if a != b else i for i, (a, b) in
-              enumerate(zip(self.P_src.shape, self.view.shape))]
-        return derive_spec(self.P_src, x, self.name, self.group, pl)
+        # the summed dimensions hold summands, the others split the tensor as usual;
+        # blocks of another rank are opaque summands (told by the sources' blocks)
+        P = self.P_src
+        pl = tuple(PARTIAL if a != b else i for i, (a, b) in
+                   enumerate(zip(P.shape, self.view.shape)))
+        return derive_spec(P, x, self.name, self.group,
+                           lambda nd: pl if nd == P.dim else (PARTIAL,) * P.dim)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         pl = []
