@@ -2138,3 +2138,60 @@ def test_pickling_is_refused_with_what_to_do(cluster):
     for out in cluster.run(2, _pickle):
         assert all("cannot be pickled" in o and "state_dict" in o for o in out[:3]), out
         assert out[3] is True, out
+
+
+def _backward_hook(where, plain=False):
+    """A full backward hook on a conv called with a DistTensor (torch's module hooks see
+    tensors only: it would never run, its gradient change silently lost): refused, told to
+    every rank. With plain blocks torch's hook runs: the gradient is scaled."""
+    w = gpudist.world()
+    P = Partition.grid((1, 1, 1, 2))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
+    if where == "all" or (where == "one" and w.rank == 0):
+        conv.register_full_backward_hook(
+            lambda m, gin, gout: tuple(None if g is None else 3 * g for g in gin))
+    xl = torch.rand(1, 2, 4, 3, dtype=torch.float64, requires_grad=True)
+    x = xl if plain else DistTensor.from_local(xl, P, (1, 2, 4, 6))
+    y = conv(x)
+    (y if plain else y.local).sum().backward()
+    return xl.grad.abs().sum().item()
+
+
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_module_backward_hook_on_a_distributed_call_is_refused(cluster, where):
+    errs = cluster.run(2, _backward_hook, where, expect_error=True)
+    assert errs[0] is not None and errs[0].type == "RuntimeError" \
+        and "register_hook" in errs[0].message, errs
+    assert errs[1] is not None and (errs[1].type == "RuntimeError" if where == "all"
+                                    else errs[1].type == "RemoteError"), errs
+
+
+def test_module_backward_hook_on_plain_blocks_runs(cluster):
+    """Plain blocks in and out: torch's hook sees them and scales the input gradient."""
+    hooked = cluster.run(2, _backward_hook, "all", True)
+    plain = cluster.run(2, _backward_hook, "none", True)
+    for h, p in zip(hooked, plain):
+        assert h == pytest.approx(3 * p, rel=1e-12)
+
+
+def _global_weights_through_functional_call():
+    """torch.func.functional_call with the sequential layer's (whole) weights on every
+    rank: rank 0's block has that shape, rank 1's (empty) does not. Every rank's message
+    names the parameters, rank 0's too (it named a bad block of rank 1's)."""
+    from torch.func import functional_call
+
+    P = Partition.grid((1, 1, 1, 2))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 3, 3, padding=1, dtype=torch.float64)
+    seq = torch.nn.Conv2d(2, 3, 3, padding=1, dtype=torch.float64)
+    x = DistTensor.from_local(torch.rand(1, 2, 4, 3, dtype=torch.float64), P, (1, 2, 4, 6))
+    conv(x)
+    x2 = DistTensor.from_local(torch.rand(1, 2, 4, 4, dtype=torch.float64), P, (1, 2, 4, 8))
+    functional_call(conv, dict(seq.named_parameters()), (x2,))  # (a new spec: all check)
+
+
+def test_global_weights_in_functional_call_named_on_every_rank(cluster):
+    errs = cluster.run(2, _global_weights_through_functional_call, expect_error=True)
+    assert all(e is not None and e.type == "ShapeError" and "[1]" in e.message
+               and "parameters" in e.message for e in errs), errs

@@ -21,6 +21,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+import torch.nn.modules.module as _torch_module
 
 from ..buffers import LRU
 from ..checkpoint import anchor, region, top_hooks
@@ -271,6 +272,16 @@ class DistributedModule(torch.nn.Module):
         """(whether ``x`` is a DistTensor, the block a call runs on, its spec): a plain
         block's spec found by :meth:`spec_of`, both cast where autocast casts."""
         dist_in = isinstance(x, DistTensor)
+        if dist_in and (self._backward_hooks or self._backward_pre_hooks
+                        or _torch_module._global_backward_hooks
+                        or _torch_module._global_backward_pre_hooks):
+            raise RuntimeError(  # (torch would skip them, warning: gradients silently
+                # unhooked) posted to the peers by the layer's failure scope
+                f"{self.name}: a module backward hook (register_full_backward_hook / "
+                f"register_full_backward_pre_hook, or a global one) on a layer called with "
+                f"a DistTensor: torch's module hooks see tensors only, so it would never "
+                f"run. Hook the blocks instead (y.local.register_hook(...)), or call the "
+                f"layer with plain blocks")
         local = x.local if dist_in else x
         spec = x.spec if dist_in else self.spec_of(local)
         local, spec = self.autocast_input(local, spec)
@@ -416,6 +427,11 @@ class DistributedModule(torch.nn.Module):
             reshaped = self._reshaped_parameters(kinds)
             if reshaped is not None:  # reported as a bad block would be
                 local_ok, bad_text = False, reshaped
+            elif bad_text is None:  # (what a rank whose blocks are right says of its peers)
+                bad_text = (f"{self.name}: rank(s) {{ranks}} hold a block that does not "
+                            f"match the tensor {spec.describe()}, or parameters whose shape "
+                            f"changed since the layer's first call (each of those ranks' "
+                            f"error says which)")
             # a layer that checks its outsiders does so where every rank sees a change (a
             # spec, an option); a change of the members' grad state alone the members check
             world_wide = outsiders and new_spec
