@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -64,6 +65,7 @@ class Op(NamedTuple):
 
 
 _new_op = functools.partial(tuple.__new__, Op)
+_ident = threading.get_ident
 
 Label = str | Callable[[], str]
 
@@ -113,7 +115,10 @@ class _Numbered:
         self.control, self.op, self.prev = control, op, None
 
     def __enter__(self) -> Op:
-        self.prev, self.control._op = self.control._op, self.op
+        c = self.control
+        if c._op is not None and c._thread != _ident():
+            c.concurrent(self.op.what)
+        self.prev, c._op, c._thread = c._op, self.op, _ident()
         return self.op
 
     def __exit__(self, kind, e, tb) -> bool:
@@ -139,6 +144,7 @@ class Control:
         # at an operator number this rank has passed is checked against what ran here
         self._past: dict[tuple[int, ...], list[Op | None]] = {}
         self._op: Op | None = None
+        self._thread = 0  # the thread that made _op current (one thread at a time)
         self._scopes: dict[str, _Scope] = {}
         self.waits = 0  # waits that did not complete at once (for tests and benches)
         # the number of the launch pool's task this rank runs (gpudist.launch.serve; the
@@ -308,9 +314,24 @@ class Control:
         number = self._number
 
         def begin() -> Op | None:
+            if self._op is not None and self._thread != _ident():
+                self.concurrent(what)
             prev, self._op = self._op, number(key, what, fingerprint, needs_all)
+            self._thread = _ident()
             return prev
         return begin
+
+    def concurrent(self, what: str) -> None:
+        """Raise: ``what`` began on this thread while another thread's operator runs
+        (gpudist's state -- numbering, pooled buffers, the backends' requests -- is one
+        rank's, used by one thread at a time: two at once crashed MPI and gloo, or mixed
+        two layers' outputs, in a fuzz)."""
+        raise RuntimeError(
+            f"gpudist called from two threads at once: rank {self.rank} began {what} on "
+            f"thread {threading.current_thread().name} while another thread runs "
+            f"{self._op.what if self._op else 'an operator'} (gpudist's calls must come "
+            f"from one thread at a time: run them on one thread, or hold a lock around "
+            f"each call, forward and backward)")
 
     def _number(self, key: tuple[int, ...], what: str, fingerprint: int, needs_all: bool
                 ) -> Op:

@@ -148,8 +148,9 @@ def same_program(rows: list[Row], ranks: Sequence[int], what: str, world=None) -
                    "or called on some ranks only)")
         elif len({x.config >> 31 for x in rows}) == 1 and rows[0].config >> 31:
             why = (f"every rank runs a {rows[0].name} with the same options, but not the same "
-                   f"one: two such operators called in another order on some ranks, or one "
-                   f"of them skipped or added there")
+                   f"one: two such operators built or called in another order on some "
+                   f"ranks (an operator is told by its number among those built over its "
+                   f"ranks), or one of them skipped or added there")
         else:
             why = (f"every rank runs {rows[0].name}, with other options on some ranks (the "
                    f"config hash covers its options, e.g. kernel size, stride, mode, eps, "

@@ -319,10 +319,11 @@ def _join(backend: str, device, launch: LaunchEnv, store, timeout: float
             store = dist.HashStore() if launch.size == 1 else _launcher_store(launch, td)
             if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
                 server = 0  # (_rendezvous_store: rank 0 serves it)
-        if not dist.is_initialized():
+        made = not dist.is_initialized()  # (else the program's: finalize leaves it)
+        if made:
             dist.init_process_group(backend, store=store, rank=launch.rank,
                                     world_size=launch.size, timeout=backend_timeout(timeout))
-        transport = TorchDistTransport(timeout=timeout)
+        transport = TorchDistTransport(timeout=timeout, owns_default_group=made)
         control_store = (dist.PrefixStore("gpudist", store)
                          if launch.size > 1 and store is not None else None)
     control = Control(control_store, launch.rank, launch.size, timeout)
@@ -597,7 +598,7 @@ def finalize() -> None:
     finally:
         w.transport.finalize()
         w.control.close()
-        if w.backend != "mpi":
+        if w.backend != "mpi" and w.transport.owns_default_group:
             import torch.distributed as dist
 
             if dist.is_initialized():

@@ -2195,3 +2195,38 @@ def test_global_weights_in_functional_call_named_on_every_rank(cluster):
     errs = cluster.run(2, _global_weights_through_functional_call, expect_error=True)
     assert all(e is not None and e.type == "ShapeError" and "[1]" in e.message
                and "parameters" in e.message for e in errs), errs
+
+
+def _two_threads():
+    """Two threads of each rank run their own conv at once: the first call that begins
+    while the other thread's runs is refused (numbering, pooled buffers and the backends'
+    requests are the rank's, one thread at a time: a fuzz found gloo aborting and MPI
+    mixing the layers' outputs), the world ended."""
+    import threading
+
+    P = Partition.grid((1, 1, gpudist.world().size))
+    torch.manual_seed(0)
+    convs = [gnn.DistributedConv1d(P, 2, 2, 3, padding=1, dtype=torch.float64)
+             for _ in range(2)]
+    x = DistTensor.from_local(torch.rand(2, 2, 64, dtype=torch.float64), P,
+                              (2, 2, 64 * gpudist.world().size))
+    errors: list[str] = []
+
+    def run(c):
+        try:
+            for _ in range(50):
+                c(x)
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    threads = [threading.Thread(target=run, args=(c,)) for c in convs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def test_calls_from_two_threads_at_once_are_refused(cluster):
+    for errors in cluster.run(2, _two_threads, timeout=120):
+        assert any("called from two threads at once" in e for e in errors), errors
+    cluster.discard(2)

@@ -483,14 +483,18 @@ def test_gloo_times_out_after_the_world(cluster):
         assert sub in (None, default), (sub, default)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "env", "mpiexec"])
+@pytest.mark.parametrize("launcher", ["torchrun", "env", "mpiexec", "program-group"])
 def test_join_again_after_finalize(launcher, tmp_path):
-    """init -> collective -> finalize, three times in one job: each world works."""
+    """init -> collective -> finalize, three times in one job: each world works. With
+    the default group the program's own (made before init), finalize leaves it working
+    (a fuzz found it destroyed) and gpudist's world data moves on a group of its own (a
+    user's all-reduce on the default group could pair with gpudist's)."""
     from tests.harness import ROOT, mpiexec
 
     script = str(ROOT / "tests" / "rejoin_script.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), REJOIN_BACKEND="gloo")
-    if launcher == "torchrun":
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), REJOIN_BACKEND="gloo",
+               REJOIN_PROGRAM_GROUP="1" if launcher == "program-group" else "0")
+    if launcher in ("torchrun", "program-group"):
         procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
                                    "--standalone", "--nproc_per_node", "2", script],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -525,6 +529,8 @@ def test_join_again_after_finalize(launcher, tmp_path):
     for r in range(2):
         for i in range(3):
             assert f"rank {r} world {i} gloo [2.0, 2.0]" in text, text[-3000:]
+            if launcher == "program-group":
+                assert f"rank {r} program group {i} {2.0 * i}" in text, text[-3000:]
 
 
 def test_join_after_an_aborted_world_is_refused():

@@ -214,10 +214,14 @@ class TorchDistTransport(Transport):
 
     tag_limit = 2**31 - 1
 
-    def __init__(self, timeout: float, stage_all: bool | None = None) -> None:
+    def __init__(self, timeout: float, stage_all: bool | None = None,
+                 owns_default_group: bool = True) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call gpudist.init()")
         self.rank, self.size, self.timeout = dist.get_rank(), dist.get_world_size(), timeout
+        # whether gpudist.init made the default group (else the program's: finalize then
+        # destroys only the groups made here, and leaves it)
+        self.owns_default_group = owns_default_group
         self.backend = dist.get_backend()
         self.name = f"torch.distributed/{self.backend}"
         if stage_all is None:
@@ -232,14 +236,21 @@ class TorchDistTransport(Transport):
         self._td = backend_timeout(timeout)
         # the world's groups, made now while every rank is here (world-collective)
         everyone = tuple(range(self.size))
-        self.world_meta = dist.new_group(list(everyone), timeout=self._td, backend="gloo")
-        self._groups[everyone] = Group(everyone, dist.group.WORLD, self.world_meta)
+        self._made: list = []  # every group made here (destroyed by finalize)
+        self.world_meta = self._new(everyone, backend="gloo")
+        # gloo: the world's data collectives on a group of gpudist's own: a user's
+        # collective on the default group called in another order on some ranks would
+        # otherwise pair with gpudist's and swap their data silently (a fuzz found it).
+        # (NCCL: the default group, as for point-to-point below.)
+        data = (self._new(everyone) if self.size > 1 and self.backend == "gloo"
+                else dist.group.WORLD)
+        self._groups[everyone] = Group(everyone, data, self.world_meta)
         # gloo: gpudist's point-to-point messages (halo steps, trees, rings) on a group of
         # their own, never matched by a user's own send or receive with the same tag on
         # the default group, and under gpudist's timeout even where the program made that
         # group. NCCL ignores tags and would make another world-wide communicator at the
         # group's first batch, which must then include every rank: the default group.
-        self.p2p_group = (dist.new_group(list(everyone), timeout=self._td)
+        self.p2p_group = (self._new(everyone)
                           if self.size > 1 and self.backend == "gloo" else None)
 
     # -- helpers ------------------------------------------------------------
@@ -309,10 +320,15 @@ class TorchDistTransport(Transport):
         return None
 
     # -- interface ----------------------------------------------------------
+    def _new(self, ranks: Sequence[int], backend: str | None = None):
+        """``dist.new_group`` (every rank of the world calls it, in the same order) under
+        gpudist's timeout, remembered for :meth:`finalize`."""
+        g = dist.new_group(list(ranks), timeout=self._td, backend=backend)
+        self._made.append(g)
+        return g
+
     def _make_group(self, key: tuple[int, ...]) -> tuple[object, object]:
-        handle = dist.new_group(list(key), timeout=self._td)
-        meta = dist.new_group(list(key), timeout=self._td, backend="gloo")
-        return handle, meta
+        return self._new(key), self._new(key, backend="gloo")
 
     def batch_p2p(self, ops: Sequence[P2P]) -> list[Work]:
         if not ops:
@@ -439,6 +455,13 @@ class TorchDistTransport(Transport):
         self._watch.cut()
 
     def finalize(self) -> None:
+        """Drop the groups; where the default group is the program's (it stays), destroy
+        those made here (with the default group, torch destroys them all)."""
         self._watch.stop()
         self._groups.clear()
         self.staging.clear()
+        made, self._made = self._made, []
+        if not self.owns_default_group and dist.is_initialized():
+            for g in made:
+                if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
