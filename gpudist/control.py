@@ -497,6 +497,12 @@ class Control:
                                      f"rank {r} waits in {st['what']} (operator #{st['seq']} "
                                      f"of group {st['group']}), which needs this rank, who has "
                                      f"not reached it")
+        cycle = self._wait_cycle(op)
+        if cycle:
+            self._mismatch(what, "a deadlock: " + "; ".join(
+                f"rank {x} waits for rank {y} in {w} (operator #{n} of group {list(g)})"
+                for x, y, w, n, g in cycle) + " (operators of overlapping groups called in "
+                "orders that cross)")
 
     def _check_passed(self, r: int, st: dict, what: str) -> None:
         """A peer waiting at an operator number this rank has passed, where this rank ran
@@ -512,6 +518,51 @@ class Control:
                 and mine.fingerprint != st["fp"]:  # (the current one: _diagnose's check)
             self._mismatch(what, f"rank {r} waits in {st['what']} (operator #{seq} of group "
                                  f"{list(g)}), where rank {self.rank} ran {mine.what}")
+
+    def _wait_cycle(self, op: Op) -> list[tuple] | None:
+        """A cycle of ranks, each blocked (past ``diag_after``) in a collective that the
+        next has not reached, back to this rank (three or more: the pairwise check finds
+        two): none can ever complete. [(rank, the rank it waits for, operator, number,
+        group), ...] from this rank, or None. Reads the states of the ranks on the way."""
+        if not op.needs_all:
+            return None
+        states: dict[int, dict | None] = {}
+
+        def state(r: int) -> dict | None:
+            if r not in states:
+                states[r] = self._peer_states([r]).get(r)
+            return states[r]
+
+        def blocked_in(r: int):  # (group, seq, what, counts) of a rank blocked in a
+            if r == self.rank:  # collective, or None
+                return op.group, op.seq, op.what, dict(self._seq)
+            st = state(r)
+            if (not st or "group" not in st or not st.get("needs_all")
+                    or st.get("waited", 0) < self.diag_after):
+                return None
+            return tuple(st["group"]), st["seq"], st["what"], self._their_counts(st)
+
+        def search(r: int, path: list, seen: set) -> list | None:
+            here = blocked_in(r)
+            if here is None:
+                return None
+            g, seq, w, _ = here
+            for q in g:
+                if q == r:
+                    continue
+                there = blocked_in(q)
+                if there is None or there[3].get(g, 0) >= seq or there[0] == g:
+                    continue  # q is not blocked elsewhere, or reached this operator
+                step = path + [(r, q, w, seq, g)]
+                if q == self.rank:
+                    return step if len(step) >= 3 else None
+                if q not in seen and len(step) < self.size:
+                    found = search(q, step, seen | {q})
+                    if found:
+                        return found
+            return None
+
+        return search(self.rank, [], {self.rank})
 
     def _deadlocked(self, op: Op, st: dict) -> bool:
         """A peer blocked in a collective I have not reached, while it has not reached

@@ -2230,3 +2230,33 @@ def test_calls_from_two_threads_at_once_are_refused(cluster):
     for errors in cluster.run(2, _two_threads, timeout=120):
         assert any("called from two threads at once" in e for e in errors), errors
     cluster.discard(2)
+
+
+def _cycle_of_three(warm):
+    """Groups A={0,1}, B={1,2}, C={0,2}: rank 0 calls A then C, rank 1 B then A, rank 2 C
+    then B (``warm``: after calls in a good order, so the data exchange blocks, not the
+    first call's check): each waits for the next, none can complete."""
+    from gpudist.primitives import AllSumReduce
+
+    w = gpudist.world()
+    ops = {k: AllSumReduce(Partition(r, (2,)), [0]) for k, r in
+           zip("ABC", ([0, 1], [1, 2], [0, 2]))}
+    blocks = {k: DistTensor(torch.ones(2), TensorSpec(op.in_partition, (2,), torch.float32,
+                                                     "cpu", (PARTIAL,)))
+              for k, op in ops.items() if w.rank in op.participants}
+    if warm:
+        for k in "ABC":
+            if w.rank in ops[k].participants:
+                ops[k](blocks[k])
+    for k in {0: "AC", 1: "BA", 2: "CB"}[w.rank]:
+        ops[k](blocks[k])
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_deadlock_cycle_of_three_ranks_found_in_seconds(cluster, warm):
+    """The 2 s diagnostics follow the ranks' waits around a cycle (a fuzz found three ranks
+    waiting the whole world timeout: the pairwise check sees two only)."""
+    errs, secs = _run_timed(cluster, 3, _cycle_of_three, warm)
+    assert all(e is not None and e.type in ("MismatchError", "RemoteError")
+               and "a deadlock" in e.message for e in errs), errs
+    assert secs < FAST, secs
