@@ -202,8 +202,8 @@ def check_call(group: Group | None, what: str, fingerprint: int, seq: int) -> No
 
 
 def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | None = None,
-                placements: Sequence[int] | Callable[[int], Sequence[int]] | None = None
-                ) -> TensorSpec:
+                placements: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
+                instance: int | None = None) -> TensorSpec:
     """The spec of the tensor whose block on this rank is ``local`` (collective over
     ``group``, default ``P``'s members; members of ``group`` outside ``P`` pass anything).
 
@@ -211,6 +211,8 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
     split along partition dim ``i``), or a function of the blocks' rank giving them (decided
     after the exchange, so every rank decides alike). Raises the same error on every rank
     if the blocks do not tile a tensor so placed, or disagree in dtype or device.
+    ``instance``: the calling operator's config (:func:`config_of`), compared too: two
+    operators alike called in another order on some ranks are a MismatchError here.
     """
     g = group if group is not None else P.group
     ranks = g.ranks if g is not None else (P.world.rank,)
@@ -222,7 +224,9 @@ def derive_spec(P: Partition, local: torch.Tensor, what: str, group: Group | Non
                 f"{list(P.ranks)}: it holds no block, and the blocks' shapes are exchanged "
                 f"among the partition's ranks only. Pass global_shape, or call this on the "
                 f"partition's ranks only")
-    row = Row.make(f"shape:{what}", OK if here else ABSENT, stable_hash(P.key),
+    config = stable_hash(P.key) if instance is None else \
+        config_of((P.key, instance >> 31), instance)
+    row = Row.make(f"shape:{what}", OK if here else ABSENT, config,
                    local.dtype, local.device.type, tuple(local.shape) if here else None, None)
     rows = exchange(g, row, what)
     same_program(rows, ranks, what)

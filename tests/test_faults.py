@@ -2260,3 +2260,23 @@ def test_deadlock_cycle_of_three_ranks_found_in_seconds(cluster, warm):
     assert all(e is not None and e.type in ("MismatchError", "RemoteError")
                and "a deadlock" in e.message for e in errs), errs
     assert secs < FAST, secs
+
+
+def _plain_blocks_swapped():
+    """Two AllSumReduce alike, called with plain blocks (a shape exchange at every call)
+    in swapped order on rank 1: the exchange compares the instance too (it compared the
+    operator's kind, and the swap summed 1 with 10 silently; an ordering fuzz)."""
+    from gpudist.primitives import AllSumReduce
+
+    P = Partition([0, 1], (2,))
+    s1, s2 = AllSumReduce(P, [0]), AllSumReduce(P, [0])
+    s1(torch.ones(2))
+    s2(torch.ones(2))
+    order = (s1, s2) if gpudist.world().rank == 0 else (s2, s1)
+    return [op(torch.full((2,), 1.0 if op is s1 else 10.0)).tolist() for op in order]
+
+
+def test_alike_operators_swapped_with_plain_blocks_are_a_mismatch(cluster):
+    errs, secs = _run_timed(cluster, 2, _plain_blocks_swapped)
+    _is_mismatch_everywhere(errs, "with the same options, but not the same one")
+    assert secs < FAST, secs

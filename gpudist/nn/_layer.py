@@ -198,7 +198,8 @@ class DistributedModule(torch.nn.Module):
         A rank cannot tell from its own block whether another rank's block changed (nor
         can a rank outside the layer tell a bad input), so a plain block costs one small
         collective per call; a :class:`DistTensor` costs none."""
-        return derive_spec(self.P_in, x, self.name, self.world_group)
+        return derive_spec(self.P_in, x, self.name, self.world_group,
+                           instance=config_of(self.name, self._uid))
 
     #: whether inputs must have the parameters' floating dtype (as torch's layers want;
     #: "half": or float16/bfloat16 with float32 parameters, as torch's batch norm takes)

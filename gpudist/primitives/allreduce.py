@@ -33,9 +33,10 @@ class AllSumReduce(Primitive):
         self._backend = P.world.transport.prepare("all_reduce", g) if g is not None else None
 
     def derive(self, x):
-        pl = [PARTIAL if (i in self.axes or x.dim() != self.P.dim) else i
-              for i in range(self.P.dim)]
-        return derive_spec(self.P, x, self.name, self.group, pl)
+        P, axes = self.P, self.axes  # (blocks of another rank: opaque summands)
+        return derive_spec(P, x, self.name, self.group,
+                           lambda nd: [PARTIAL if (i in axes or nd != P.dim) else i
+                                       for i in range(P.dim)], self.config)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         pl = list(spec.placements)

@@ -44,7 +44,7 @@ from ..errors import (
 from ..meta import CHECKPOINT_BIT, check_call, config_of, derive_spec, verify
 from ..partition import Partition
 from ..runtime import World
-from ..spec import PARTIAL, DistTensor, TensorSpec, stable_hash
+from ..spec import DistTensor, TensorSpec, stable_hash
 from ..transport.base import Group
 
 _INT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -413,7 +413,8 @@ class Primitive(torch.nn.Module):
         """The spec of a plain local block: a metadata exchange over the participants at
         every call (a rank cannot tell from its own block whether a peer's changed); a
         :class:`~gpudist.spec.DistTensor` input needs none."""
-        return derive_spec(self.in_partition, x, self.name, self.group)
+        return derive_spec(self.in_partition, x, self.name, self.group,
+                           instance=self.config)
 
     # -- calling -----------------------------------------------------------------------------
     def __call__(self, x: DistTensor | torch.Tensor) -> DistTensor | torch.Tensor:
@@ -606,12 +607,6 @@ def steady_into(plan: Plan, shape: tuple[int, ...], slot, run: Callable, general
         run(out, x.contiguous())
         return out
     return body
-
-
-def opaque_spec(P: Partition, x: torch.Tensor, what: str, group: Group | None) -> TensorSpec:
-    """Spec of blocks moved as opaque values: every worker holds an equal-shaped summand
-    (placements all PARTIAL), whatever the block's rank."""
-    return derive_spec(P, x, what, group, (PARTIAL,) * P.dim)
 
 
 def _wrap(y: torch.Tensor, spec: TensorSpec, _new=DistTensor.__new__) -> DistTensor:

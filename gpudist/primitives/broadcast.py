@@ -351,7 +351,7 @@ class Broadcast(_FanPrimitive):
         P = self.P_src  # blocks, or opaque summands where they have another rank: told
         # by the sources' blocks (a destination's empty tensor says nothing)
         return derive_spec(P, x, self.name, self.group, lambda nd: tuple(range(P.dim))
-                           if nd == P.dim else (PARTIAL,) * P.dim)
+                           if nd == P.dim else (PARTIAL,) * P.dim, self.config)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         view = _transposed(spec) if self.transpose_src else spec
@@ -396,7 +396,7 @@ class SumReduce(_FanPrimitive):
         pl = tuple(PARTIAL if a != b else i for i, (a, b) in
                    enumerate(zip(P.shape, self.view.shape)))
         return derive_spec(P, x, self.name, self.group,
-                           lambda nd: pl if nd == P.dim else (PARTIAL,) * P.dim)
+                           lambda nd: pl if nd == P.dim else (PARTIAL,) * P.dim, self.config)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         pl = []

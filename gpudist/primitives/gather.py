@@ -177,7 +177,7 @@ class ReduceScatter(_Along):
 
     def derive(self, x):
         pl = [PARTIAL if i == self.axis else i for i in range(self.P.dim)]
-        return derive_spec(self.P, x, self.name, self.group, pl)
+        return derive_spec(self.P, x, self.name, self.group, pl, self.config)
 
     def out_spec(self, spec: TensorSpec) -> TensorSpec:
         pl = list(spec.placements)
