@@ -520,13 +520,15 @@ class Control:
                                  f"{list(g)}), where rank {self.rank} ran {mine.what}")
 
     def _wait_cycle(self, op: Op) -> list[tuple] | None:
-        """A cycle of ranks, each blocked (past ``diag_after``) in a collective that the
-        next has not reached, back to this rank (three or more: the pairwise check finds
-        two): none can ever complete. [(rank, the rank it waits for, operator, number,
+        """A cycle of ranks, each blocked (past ``diag_after``) in a collective that waits
+        for every member (not one marked "some": a broadcast's receiver waits for its
+        root alone) and that the next has not reached, back to this rank: none can ever
+        complete. [(rank, the rank it waits for, operator, number,
         group), ...] from this rank, or None. Reads the states of the ranks on the way."""
-        if not op.needs_all:
+        if op.needs_all is not True:  # ("some": a member may wait for some alone)
             return None
         states: dict[int, dict | None] = {}
+        counts: dict[int, dict] = {}
 
         def state(r: int) -> dict | None:
             if r not in states:
@@ -537,12 +539,16 @@ class Control:
             if r == self.rank:  # collective, or None
                 return op.group, op.seq, op.what, dict(self._seq)
             st = state(r)
-            if (not st or "group" not in st or not st.get("needs_all")
+            if (not st or "group" not in st or st.get("needs_all") is not True
                     or st.get("waited", 0) < self.diag_after):
                 return None
-            return tuple(st["group"]), st["seq"], st["what"], self._their_counts(st)
+            if r not in counts:
+                counts[r] = self._their_counts(st)
+            return tuple(st["group"]), st["seq"], st["what"], counts[r]
 
-        def search(r: int, path: list, seen: set) -> list | None:
+        seen = {self.rank}  # (one set for the whole search: each rank is left once)
+
+        def search(r: int, path: list) -> list | None:
             here = blocked_in(r)
             if here is None:
                 return None
@@ -555,14 +561,15 @@ class Control:
                     continue  # q is not blocked elsewhere, or reached this operator
                 step = path + [(r, q, w, seq, g)]
                 if q == self.rank:
-                    return step if len(step) >= 3 else None
-                if q not in seen and len(step) < self.size:
-                    found = search(q, step, seen | {q})
+                    return step
+                if q not in seen:
+                    seen.add(q)
+                    found = search(q, step)
                     if found:
                         return found
             return None
 
-        return search(self.rank, [], {self.rank})
+        return search(self.rank, [])
 
     def _deadlocked(self, op: Op, st: dict) -> bool:
         """A peer blocked in a collective I have not reached, while it has not reached

@@ -2198,31 +2198,36 @@ def test_global_weights_in_functional_call_named_on_every_rank(cluster):
 
 
 def _two_threads():
-    """Two threads of each rank run their own conv at once: the first call that begins
-    while the other thread's runs is refused (numbering, pooled buffers and the backends'
-    requests are the rank's, one thread at a time: a fuzz found gloo aborting and MPI
-    mixing the layers' outputs), the world ended."""
+    """Rank 0 calls a conv on one thread while another thread's conv waits for rank 1
+    (which comes 1 s late): that call is refused (numbering, pooled buffers and the
+    backends' requests are the rank's, one thread at a time: a fuzz found gloo aborting
+    and MPI mixing the layers' outputs), the world ended, rank 1 told."""
     import threading
 
-    P = Partition.grid((1, 1, gpudist.world().size))
+    w = gpudist.world()
+    P = Partition.grid((1, 1, w.size))
     torch.manual_seed(0)
     convs = [gnn.DistributedConv1d(P, 2, 2, 3, padding=1, dtype=torch.float64)
              for _ in range(2)]
-    x = DistTensor.from_local(torch.rand(2, 2, 64, dtype=torch.float64), P,
-                              (2, 2, 64 * gpudist.world().size))
+    x = DistTensor.from_local(torch.rand(2, 2, 8, dtype=torch.float64), P, (2, 2, 8 * w.size))
+    for c in convs:  # plans made: the next calls wait in the data exchange
+        c(x)
     errors: list[str] = []
 
-    def run(c):
+    def run(c, delay):
+        time.sleep(delay)
         try:
-            for _ in range(50):
-                c(x)
+            c(x)
         except BaseException as e:
             errors.append(f"{type(e).__name__}: {e}")
-    threads = [threading.Thread(target=run, args=(c,)) for c in convs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    if w.rank == 0:
+        threads = [threading.Thread(target=run, args=(c, d)) for c, d in zip(convs, (0, 0.3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    else:
+        run(convs[0], 1.0)
     return errors
 
 

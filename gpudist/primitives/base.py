@@ -241,7 +241,10 @@ class Primitive(torch.nn.Module):
     """A linear data movement F with its adjoint F* (see the module docstring)."""
 
     name = "primitive"
-    collective = True  # needs every participant to complete (a halo exchange does not)
+    # needs every participant to complete (a halo exchange does not); "some": needs them,
+    # but a member may wait for some alone (a broadcast's receiver for its root, an
+    # all-to-all's for its senders): the diagnostics' cycles follow True ones only
+    collective: bool | str = True
     sums = False  # whether F adds blocks (then torch must add the dtype: checked at plan)
 
     def __init__(self, world: World, participants: Sequence[int], config: object) -> None:

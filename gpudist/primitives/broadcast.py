@@ -249,6 +249,8 @@ class _FanPrimitive(Primitive):
     """Broadcast and SumReduce: blocks of ``P_src`` moved over the fans between ``P_one``
     (the side with extent-1 dims) and ``P_many``."""
 
+    collective = "some"  # (a receiver waits for its root alone: diagnostics' cycles)
+
     def __init__(self, P_src: Partition, P_dst: Partition, transposed: bool) -> None:
         self.P_src, self.P_dst = P_src, P_dst
         super().__init__(P_src.world, set(P_src.ranks) | set(P_dst.ranks),

@@ -119,6 +119,7 @@ class Repartition(Primitive):
     """
 
     name = "Repartition"
+    collective = "some"  # (a worker may wait for its senders alone)
 
     def __init__(self, P_in: Partition, P_out: Partition) -> None:
         if P_in.dim != P_out.dim:
