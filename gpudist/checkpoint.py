@@ -7,21 +7,19 @@ one must recompute at the same point of its backward, and recompute the same ope
 
 - **where**: every gpudist autograd node recorded in a region saves a marker (an empty
   tensor) and unpacks it before its adjoint communicates, so a rank recomputes no later
-  than its first adjoint in the region. Every operator in a region records (a block that
-  requires no grad is anchored: :func:`mark` requires grad, a layer's input is made to
-  by :func:`anchor`), so each rank that communicates there has a node to unpack; torch
-  orders backward by the nodes' creation, so ops outside the region keep their places on
-  every rank.
-- **what**: the region's early stop (recompute only until the last saved tensor) is
-  turned off for a region holding a gpudist operator: a rank whose last saved tensor comes
-  before a peer's would leave its collectives after that point out.
+  than its first adjoint in the region; torch orders backward by the nodes' creation, so
+  operators outside the region keep their places on every rank.
+- **what**: the region's early stop (recompute only until the last saved tensor) is turned
+  off for a region holding a gpudist operator: a rank whose last saved tensor comes before
+  a peer's would leave its collectives after that point out.
+- **refused** (a ``RuntimeError`` on every rank of the operator): a call inside a region
+  that communicates but records nothing for backward (a block that requires no grad and,
+  for a layer, no parameter that does; an integer block; a call under ``torch.no_grad``),
+  and a layer or primitive given a plain block (its shape exchange would run again in the
+  recomputation of some ranks only): a rank with nothing to unpack would not recompute it
+  while its peers do.
 
-Ranks must checkpoint alike: a layer's or primitive's call check compares it (a bit of
-the grad state). Ops inside the region under ``torch.no_grad`` run their collectives in
-the forward and the recomputation alike on every rank that recomputes.
-
-A side effect: inside a region an operator's output requires grad even where nothing
-feeding it does (the anchor), as a region's output would where any parameter does.
+Ranks must checkpoint alike: a call's check compares it (a bit of the grad state).
 """
 
 from __future__ import annotations
@@ -38,10 +36,11 @@ _MODULE = "torch.utils.checkpoint"
 
 def region() -> int:
     """:data:`~gpudist.meta.CHECKPOINT_BIT` where this call runs inside a non-reentrant
-    checkpoint region (its forward or its recomputation) under grad mode, else 0. In the
-    forward the region's early stop is turned off (see the module docstring). ~0.1 us."""
+    checkpoint region (its forward or its recomputation, whatever the grad mode), else 0.
+    In the forward the region's early stop is turned off (see the module docstring).
+    ~0.1 us."""
     hooks = top_hooks(False)
-    if hooks is None or not torch.is_grad_enabled():
+    if hooks is None:
         return 0
     pack = hooks[0]
     if getattr(pack, "__module__", "") != _MODULE:
@@ -62,27 +61,16 @@ def region() -> int:
 
 
 def mark(like: torch.Tensor) -> torch.Tensor:
-    """The marker a node recorded in a region saves: an empty leaf that requires grad
-    (so the node is recorded even where the block requires none), on ``like``'s device."""
-    return torch.empty(0, dtype=like.dtype if like.is_floating_point() else torch.float32,
-                       device=like.device, requires_grad=True)
+    """The marker a node recorded in a region saves: an empty tensor on ``like``'s
+    device."""
+    return torch.empty(0, device=like.device)
 
 
-class _Anchor(torch.autograd.Function):
-    """Identity on ``x``, recorded because ``m`` requires grad; no gradient goes back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, m: torch.Tensor):  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        return None, None
-
-
-def anchor(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a block that requires grad (a layer's input inside a region), where it is
-    a floating-point block that does not yet; else ``x``."""
-    if x.requires_grad or not (x.is_floating_point() or x.is_complex()):
-        return x
-    return _Anchor.apply(x, mark(x))
+def refusal(what: str, why: str) -> RuntimeError:
+    """The error of a call a region cannot take (see the module docstring)."""
+    return RuntimeError(
+        f"{what}: {why} inside torch.utils.checkpoint(..., use_reentrant=False): a rank "
+        f"with nothing of it to unpack in backward would not recompute its communication "
+        f"while its peers do. Let the call record for backward (a block or parameter that "
+        f"requires grad, a DistTensor input, grad mode on), move it out of the region, or "
+        f"use use_reentrant=True")

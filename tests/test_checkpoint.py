@@ -1,8 +1,9 @@
 """Activation checkpointing of distributed regions: torch.utils.checkpoint with
 use_reentrant=False (gpudist.checkpoint) and True give the plain steps' values and
 gradients, with inactive ranks, broadcasts' roots, frozen weights and inputs that require
-no grad, with and without torch's early stop; ranks that checkpoint differently are told
-on every rank."""
+no grad, with and without torch's early stop; what a region cannot take (a call that
+records nothing, a plain block) is refused on every rank; ranks that checkpoint
+differently are told on every rank."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.utils.checkpoint as cp
 
 import gpudist
 import gpudist.nn as gnn
-from gpudist import DistTensor, Partition
+from gpudist import DistTensor, Partition, TensorSpec
 from gpudist.primitives import Repartition, distribute
 from tests.conftest import BACKENDS
 
@@ -34,8 +35,8 @@ def _general_chain(how, early=True, frozen=False, input_grad=True, steps=2):
     to_sp, to_out = Repartition(P_y, P_sp), Repartition(P_sp, P_out)
     c2 = gnn.DistributedConv2d(P_sp, 4, 2, 3, padding=1, stride=2, dtype=F64)
     mse = gnn.DistributedMSELoss(P_out)
-    if frozen:
-        conv.weight.requires_grad_(False)
+    if frozen:  # the weight ("all": the bias too)
+        (conv if frozen == "all" else conv.weight).requires_grad_(False)
     G = torch.rand(2, 4, 6, 5, dtype=F64, generator=torch.Generator().manual_seed(5))
     losses = []
     for _ in range(steps):
@@ -77,9 +78,9 @@ def test_nonreentrant_checkpoint_of_a_general_chain(cluster, backend):
 @pytest.mark.parametrize("frozen,input_grad", [(True, True), (False, False), (True, False)])
 def test_nonreentrant_checkpoint_frozen_weights_and_inputs_without_grad(cluster, frozen,
                                                                          input_grad):
-    """Operators whose blocks require no grad inside the region (the frozen weight's
-    broadcast, the data input's halo) are recorded there too, so every rank taking part
-    recomputes them: the same values and gradients as without checkpointing."""
+    """A layer whose call records for backward through its input or a parameter (the
+    frozen weight's broadcast, the data input's halo inside it record nothing, but every
+    rank taking part saves and recomputes): the same values and gradients."""
     ref = cluster.run(4, _general_chain, "plain", True, frozen, input_grad)
     got = cluster.run(4, _general_chain, "nonreentrant", True, frozen, input_grad)
     for r, g in zip(ref, got):
@@ -150,3 +151,44 @@ def test_checkpointing_on_some_ranks_only_is_a_mismatch_everywhere(cluster):
     errs = cluster.run(2, _one_rank_checkpoints, expect_error=True)
     assert all(e is not None and e.type == "MismatchError"
                and "checkpoint(use_reentrant=False)" in e.message for e in errs), errs
+
+
+def _refused(case):
+    """A region holding a call that communicates but records nothing, or a plain block
+    (a review and a fuzz found such ranks never recomputing while their peers did: wrong
+    labels in a recomputed broadcast, a shape exchange left over)."""
+    from gpudist.primitives import Broadcast
+
+    if case == "frozen_layer":
+        return _general_chain("nonreentrant", True, "all", False, steps=1)
+    w = gpudist.world()
+    P = Partition.grid((1, 1, 2, 1))
+    torch.manual_seed(0)
+    conv = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=F64)
+    x = DistTensor.from_local(torch.rand(1, 2, 3, 4, dtype=F64, requires_grad=True), P,
+                              (1, 2, 6, 4))
+    labels = Broadcast(Partition([0], (1,)), Partition.grid((2,)))
+    spec = TensorSpec(Partition([0], (1,)), (4,), torch.int64, "cpu")
+    lab = DistTensor(torch.arange(4) if w.rank == 0 else torch.zeros(0, dtype=torch.int64),
+                     spec)
+
+    def region(t):
+        y = conv(DistTensor(t, x.spec))
+        if case == "no_grad":
+            with torch.no_grad():
+                conv(y)
+        elif case == "plain":
+            return conv(y.local)
+        elif case == "integer":
+            return y.local * labels(lab).local.sum()
+        return y.local
+
+    cp.checkpoint(region, x.local, use_reentrant=False).sum().backward()
+
+
+@pytest.mark.parametrize("case", ["frozen_layer", "no_grad", "plain", "integer"])
+def test_nonreentrant_checkpoint_refuses_calls_that_record_nothing(cluster, case):
+    n = 4 if case == "frozen_layer" else 2
+    errs = cluster.run(n, _refused, case, expect_error=True)
+    assert all(e is not None and "use_reentrant=False" in e.message
+               and e.type in ("RuntimeError", "RemoteError") for e in errs), errs

@@ -24,7 +24,7 @@ import torch
 import torch.nn.modules.module as _torch_module
 
 from ..buffers import LRU
-from ..checkpoint import anchor, region, top_hooks
+from ..checkpoint import refusal, region, top_hooks
 from ..errors import (
     DeviceError,
     MismatchError,
@@ -36,6 +36,7 @@ from ..errors import (
 )
 from ..meta import (
     BAD_BLOCK,
+    CHECKPOINT_BIT,
     OK,
     PARAM_GRAD_BITS,
     Row,
@@ -286,8 +287,8 @@ class DistributedModule(torch.nn.Module):
         local = x.local if dist_in else x
         spec = x.spec if dist_in else self.spec_of(local)
         local, spec = self.autocast_input(local, spec)
-        if top_hooks(False) is not None and region():  # a non-reentrant checkpoint's
-            local = anchor(local)  # region: every operator in it records (gpudist.checkpoint)
+        if not dist_in and top_hooks(False) is not None and region():
+            raise refusal(self.name, "a plain block (its shape exchange)")
         if self.autocast == "probe":
             self.check_op_dtype(spec)
         return dist_in, local, spec
@@ -393,16 +394,15 @@ class DistributedModule(torch.nn.Module):
         one frozen on some ranks only would run its peers' adjoints there alone; 0:
         nothing, e.g. under no_grad), with :data:`~gpudist.meta.CHECKPOINT_BIT` inside a
         non-reentrant checkpoint region (ranks must checkpoint alike)."""
+        state = region() if top_hooks(False) is not None else 0
         if not torch.is_grad_enabled():
-            return 0
-        state = 1 if local.requires_grad else 0
+            return state
+        state |= 1 if local.requires_grad else 0
         for i, k in enumerate(kinds[:PARAM_GRAD_BITS]):
             if k[3]:
                 state |= 2 << i
         if len(kinds) > PARAM_GRAD_BITS and any(k[3] for k in kinds[PARAM_GRAD_BITS:]):
             state |= 2 << PARAM_GRAD_BITS  # (the rest share one bit)
-        if top_hooks(False) is not None:
-            state |= region()
         return state
 
     def plan(self, spec: TensorSpec, local: torch.Tensor | None = None,
@@ -460,6 +460,9 @@ class DistributedModule(torch.nn.Module):
                     + (f" (options that may change: {', '.join(live)})" if live
                        else "")))
             self.__dict__["_last"] = (spec, grad, kinds)
+        if grad == CHECKPOINT_BIT and member:  # (alike on every member: checked above)
+            raise raised_everywhere(refusal(self.name, "a call that records nothing for "
+                                                       "backward"))
         self.check_kind(spec, kinds)
         if spec.partition != self.P_in:
             raise raised_everywhere(ShapeError(

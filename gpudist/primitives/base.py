@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import runtime
 from ..buffers import LRU, BufferPool
-from ..checkpoint import mark, region, top_hooks
+from ..checkpoint import mark, refusal, region, top_hooks
 from ..errors import (
     DeviceError,
     ShapeError,
@@ -463,8 +463,10 @@ class Primitive(torch.nn.Module):
             try:
                 if identity:
                     y = local
-                elif grad:
+                elif grad & 1:
                     y = _record(me(), pl(), local, mark(local) if marked else None)
+                elif marked:  # communicates, records nothing, inside a region
+                    raise refusal(name, "a call that records nothing for backward")
                 else:
                     y = run(local)
             except BaseException as e:
@@ -491,9 +493,15 @@ class Primitive(torch.nn.Module):
             spec = x.spec if dist_in else self.derive(local)
             local = spec.adopt(local)
             ok = spec.matches(local)
-            plan = self.plan(spec, ok, record_mode(local))
+            mode = record_mode(local)
+            plan = self.plan(spec, ok, mode)
             if not ok:
                 spec.check_local(local, self.name)
+            if mode & CHECKPOINT_BIT and self.member and not plan.identity:
+                if not dist_in:
+                    raise refusal(self.name, "a plain block (its shape exchange)")
+                if not mode & 1:
+                    raise refusal(self.name, "a call that records nothing for backward")
             y = self.apply_plan(local, plan)
             return _wrap(y, plan.out) if dist_in and plan.out else y
 
@@ -509,7 +517,7 @@ class Primitive(torch.nn.Module):
         mode = local.requires_grad and torch.is_grad_enabled()
         if top_hooks(False) is not None:  # perhaps a checkpoint region
             mode = record_mode(local)
-        if mode:
+        if mode & 1:
             return _record(self, plan, local,
                            mark(local) if mode & CHECKPOINT_BIT else None)
         return self.run_forward(local, plan)  # no graph to record: F alone
@@ -584,8 +592,6 @@ class _LinearOp(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         if ctx.marked:
             ctx.saved_tensors  # noqa: B018 - unpacked: the region is recomputed first
-            if not ctx.needs_input_grad[2]:  # recorded for the region alone (alike on
-                return None, None, None, None  # every rank: the call check compares it)
         return None, None, ctx.op.run_adjoint(dy.contiguous(), ctx.plan), None
 
 
@@ -628,13 +634,10 @@ _transforms_active = torch._C._are_functorch_transforms_active
 
 def record_mode(local: torch.Tensor) -> int:
     """What a call on block ``local`` records for backward: 0 nothing, 1 F (its adjoint
-    runs in backward), ``| CHECKPOINT_BIT`` inside a non-reentrant checkpoint region, where
-    a floating-point block that requires no grad is recorded too (for the region's
-    recomputation; its adjoint skipped; see :mod:`gpudist.checkpoint`)."""
-    mode = 1 if local.requires_grad and torch.is_grad_enabled() else 0
-    if local.is_floating_point() or local.is_complex():
-        mode |= region()
-    return mode
+    runs in backward), ``| CHECKPOINT_BIT`` inside a non-reentrant checkpoint region (its
+    recorded nodes marked; a call there that records nothing is refused where a user
+    makes it: see :mod:`gpudist.checkpoint`)."""
+    return (1 if local.requires_grad and torch.is_grad_enabled() else 0) | region()
 
 
 def _record(op: Primitive, plan: Plan, x: torch.Tensor, m: torch.Tensor | None = None
