@@ -130,14 +130,20 @@ def test_nonreentrant_checkpoint_of_edge_split_layers(cluster, early):
             assert a is None or torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-12)
 
 
-def _one_rank_checkpoints():
-    """Rank 0 wraps the layer in a non-reentrant checkpoint, rank 1 does not."""
-    w = gpudist.world()
+def _conv_and_input():
+    """A conv split over H on 2 ranks and an input block that requires grad."""
     P = Partition.grid((1, 1, 2, 1))
     torch.manual_seed(0)
     conv = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=F64)
     x = DistTensor.from_local(torch.rand(1, 2, 3, 4, dtype=F64, requires_grad=True), P,
                               (1, 2, 6, 4))
+    return conv, x
+
+
+def _one_rank_checkpoints():
+    """Rank 0 wraps the layer in a non-reentrant checkpoint, rank 1 does not."""
+    w = gpudist.world()
+    conv, x = _conv_and_input()
 
     def region(t):
         return conv(DistTensor(t, x.spec)).local
@@ -162,11 +168,7 @@ def _refused(case):
     if case == "frozen_layer":
         return _general_chain("nonreentrant", True, "all", False, steps=1)
     w = gpudist.world()
-    P = Partition.grid((1, 1, 2, 1))
-    torch.manual_seed(0)
-    conv = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=F64)
-    x = DistTensor.from_local(torch.rand(1, 2, 3, 4, dtype=F64, requires_grad=True), P,
-                              (1, 2, 6, 4))
+    conv, x = _conv_and_input()
     labels = Broadcast(Partition([0], (1,)), Partition.grid((2,)))
     spec = TensorSpec(Partition([0], (1,)), (4,), torch.int64, "cpu")
     lab = DistTensor(torch.arange(4) if w.rank == 0 else torch.zeros(0, dtype=torch.int64),
