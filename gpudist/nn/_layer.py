@@ -21,7 +21,6 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-import torch.nn.modules.module as _torch_module
 
 from ..buffers import LRU
 from ..checkpoint import refusal, region, top_hooks
@@ -200,7 +199,14 @@ class DistributedModule(torch.nn.Module):
         can a rank outside the layer tell a bad input), so a plain block costs one small
         collective per call; a :class:`DistTensor` costs none."""
         return derive_spec(self.P_in, x, self.name, self.world_group,
-                           instance=config_of(self.name, self._uid))
+                           instance=self._instance())
+
+    def _instance(self) -> int:
+        """This layer as its plain blocks' shape exchange names it (made once)."""
+        i = self.__dict__.get("_instance_config")
+        if i is None:
+            i = self.__dict__["_instance_config"] = config_of(self.name, self._uid)
+        return i
 
     #: whether inputs must have the parameters' floating dtype (as torch's layers want;
     #: "half": or float16/bfloat16 with float32 parameters, as torch's batch norm takes)
@@ -274,21 +280,20 @@ class DistributedModule(torch.nn.Module):
         """(whether ``x`` is a DistTensor, the block a call runs on, its spec): a plain
         block's spec found by :meth:`spec_of`, both cast where autocast casts."""
         dist_in = isinstance(x, DistTensor)
-        if dist_in and (self._backward_hooks or self._backward_pre_hooks
-                        or _torch_module._global_backward_hooks
-                        or _torch_module._global_backward_pre_hooks):
+        if dist_in and (self._backward_hooks or self._backward_pre_hooks):
             raise RuntimeError(  # (torch would skip them, warning: gradients silently
-                # unhooked) posted to the peers by the layer's failure scope
+                # unhooked) posted to the peers by the layer's failure scope. A global
+                # hook, meant for torch's modules too, is skipped as torch skips it.
                 f"{self.name}: a module backward hook (register_full_backward_hook / "
-                f"register_full_backward_pre_hook, or a global one) on a layer called with "
-                f"a DistTensor: torch's module hooks see tensors only, so it would never "
-                f"run. Hook the blocks instead (y.local.register_hook(...)), or call the "
-                f"layer with plain blocks")
+                f"register_full_backward_pre_hook) on a layer called with a DistTensor: "
+                f"torch's module hooks see tensors only, so it would never run. Hook the "
+                f"blocks instead (y.local.register_hook(...)), or call the layer with "
+                f"plain blocks")
+        if not dist_in and top_hooks(False) is not None and region():
+            raise refusal(self.name, "a plain block (its shape exchange)")
         local = x.local if dist_in else x
         spec = x.spec if dist_in else self.spec_of(local)
         local, spec = self.autocast_input(local, spec)
-        if not dist_in and top_hooks(False) is not None and region():
-            raise refusal(self.name, "a plain block (its shape exchange)")
         if self.autocast == "probe":
             self.check_op_dtype(spec)
         return dist_in, local, spec

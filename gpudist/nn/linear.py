@@ -89,10 +89,10 @@ class DistributedLinear(ShardedParameters, DistributedModule):
         return _LinearPlan(out, self.x_bcast.plan(xspec), self.y_reduce.plan(yspec))
 
     def spec_of(self, x):
-        from ..meta import config_of, derive_spec  # (..., batch, features): features split
+        from ..meta import derive_spec  # (..., batch, features): only features split
 
         return derive_spec(self.P_in, x, self.name, self.world_group,
-                           lambda nd: (REPLICATE, nd - 1), config_of(self.name, self._uid))
+                           lambda nd: (REPLICATE, nd - 1), self._instance())
 
     def run(self, x: torch.Tensor, plan: _LinearPlan) -> torch.Tensor:
         xw = self.x_bcast.apply_plan(x, plan.x_bcast)
