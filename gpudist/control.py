@@ -115,10 +115,7 @@ class _Numbered:
         self.control, self.op, self.prev = control, op, None
 
     def __enter__(self) -> Op:
-        c = self.control
-        if c._op is not None and c._thread != _ident():
-            c.concurrent(self.op.what)
-        self.prev, c._op, c._thread = c._op, self.op, _ident()
+        self.prev = self.control.make_current(self.op)
         return self.op
 
     def __exit__(self, kind, e, tb) -> bool:
@@ -314,18 +311,22 @@ class Control:
         number = self._number
 
         def begin() -> Op | None:
-            if self._op is not None and self._thread != _ident():
-                self.concurrent(what)
-            prev, self._op = self._op, number(key, what, fingerprint, needs_all)
-            self._thread = _ident()
-            return prev
+            return self.make_current(number(key, what, fingerprint, needs_all))
         return begin
 
-    def concurrent(self, what: str) -> None:
-        """Raise: ``what`` began on this thread while another thread's operator runs
-        (gpudist's state -- numbering, pooled buffers, the backends' requests -- is one
-        rank's, used by one thread at a time: two at once crashed MPI and gloo, or mixed
-        two layers' outputs, in a fuzz)."""
+    def make_current(self, op: Op) -> Op | None:
+        """Make ``op`` the current operator (returned: the previous one, which the caller
+        puts back). Refused where another thread's operator runs: gpudist's state --
+        numbering, pooled buffers, the backends' requests -- is one rank's, used by one
+        thread at a time (two at once crashed MPI and gloo, or mixed two layers' outputs,
+        in a fuzz)."""
+        prev = self._op
+        if prev is not None and self._thread != _ident():
+            self._concurrent(op.what)
+        self._op, self._thread = op, _ident()
+        return prev
+
+    def _concurrent(self, what: str) -> None:
         raise RuntimeError(
             f"gpudist called from two threads at once: rank {self.rank} began {what} on "
             f"thread {threading.current_thread().name} while another thread runs "
