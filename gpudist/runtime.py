@@ -533,7 +533,7 @@ def _flush_open_files() -> None:
             pass
 
 
-GLOO_SETTLE_S = 0.05
+GLOO_SETTLE_S = 0.2  # (0.05 s lost the race under load: 4 busy processes a core)
 # the longest the control store's server (MPI's rank 0) stays, leaving an aborted world,
 # for its peers to read the failure (Control.linger)
 LINGER_S = 5.0

@@ -51,8 +51,11 @@ def _x(P, n=4):
 
 
 def _run_timed(cluster, n, fn, *args, backend="gloo"):
+    """The task's errors and its time, the pool's start not counted (an MPI pool started
+    afresh after a test that aborted its world takes seconds more on a loaded machine)."""
+    pool = cluster.pool(n, backend)
     t0 = time.monotonic()
-    errs = cluster.run(n, fn, *args, backend=backend, expect_error=True, timeout=120)
+    errs = pool.run(fn, *args, expect_error=True, timeout=120)
     return errs, time.monotonic() - t0
 
 
@@ -1359,6 +1362,32 @@ def test_layer_changed_on_one_rank_is_a_mismatch(cluster, what, text):
     in backward as a diverged program, or not at all)"""
     errs, secs = _run_timed(cluster, 2, _state_changed_on_one_rank, what)
     _is_mismatch_everywhere(errs, text)
+    assert secs < FAST, secs
+
+
+def _built_otherwise_then(what):
+    """Rank 1 builds its batch norm without affine parameters; the layer's first
+    collective call is a state dict's load or gather, not a forward (a fuzz found the load
+    raising a ShapeError "the state dict does not fit", the world left usable, and every
+    later layer's check then blaming an identical layer: the extra Broadcast built on
+    rank 0 had moved every later operator's number)."""
+    w = gpudist.world()
+    P = Partition([0, 1], (1, 1, 2, 1))
+    torch.manual_seed(0)
+    bn = gnn.DistributedBatchNorm(P, 2, affine=(w.rank == 0), dtype=torch.float64)
+    if what == "load":
+        bn.load_global_state_dict(torch.nn.BatchNorm2d(2, dtype=torch.float64).state_dict())
+    elif what == "gather":
+        bn.global_state_dict()
+    else:
+        bn.global_grads()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("what", ["load", "gather", "grads"])
+def test_layer_built_otherwise_found_outside_its_calls(cluster, backend, what):
+    errs, secs = _run_timed(cluster, 2, _built_otherwise_then, what, backend=backend)
+    _is_mismatch_everywhere(errs, "the programs have diverged, so the world ends")
     assert secs < FAST, secs
 
 

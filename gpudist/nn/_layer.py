@@ -570,10 +570,13 @@ class ShardedParameters:
         wrong = shapes + (missing + unknown if strict else [])
         w = self.root.world
         group = w.transport.group(range(w.size)) if w.size > 1 else None
-        rows = exchange(group, Row.make(name[-24:], BAD_BLOCK if wrong else OK, 0, None,
-                                        "cpu", None, None, state_digest(sd)), name)
+        rows = exchange(group, Row.make(name[-24:], BAD_BLOCK if wrong else OK,
+                                        self._layer_config(), None, "cpu", None, None,
+                                        state_digest(sd)), name)
         ranks = group.ranks if group is not None else (w.rank,)
-        same_program(rows, ranks, name)  # (a peer at another operator: not a bad dict)
+        # a peer at another operator, or this layer built otherwise there (its options, or
+        # its number among the layers built: the programs diverged), not a bad dict
+        same_program(rows, ranks, name)
         bad = [r for r, x in zip(ranks, rows) if x.status != OK]
         if bad:
             here = "; ".join(f"{what} {ks}" for what, ks in (
@@ -593,6 +596,22 @@ class ShardedParameters:
                 if k in sd:
                     p = getattr(self, k)
                     p.data = self._cut(k, sd[k]).to(p)
+
+    def _layer_config(self) -> int:
+        """This layer as the ranks' checks outside its calls compare it: its options and
+        its number among the layers built (a layer built otherwise on some ranks moves
+        every later layer's number there: the world ends, as at its first call)."""
+        return config_of(self.config(), self._uid)
+
+    def _same_layer(self, name: str) -> None:
+        """Collective over the world: every rank is at this check of this layer, built
+        alike (else a MismatchError on every rank, the world ended)."""
+        w = self.root.world
+        if w.size > 1:
+            group = w.transport.group(range(w.size))
+            rows = exchange(group, Row.make(name[-24:], OK, self._layer_config(), None,
+                                            "cpu", None, None), name)
+            same_program(rows, group.ranks, name)
 
     def _global_entries(self) -> dict[str, tuple[int, ...]]:
         """The sequential layer's state dict entries this layer holds, with their global
@@ -614,7 +633,8 @@ class ShardedParameters:
             out.append(torch.Size(s))
         return tuple(out)
 
-    def _gathered(self, pick) -> dict[str, torch.Tensor]:
+    def _gathered(self, pick, name: str) -> dict[str, torch.Tensor]:
+        self._same_layer(f"{type(self).__name__}.{name}")
         out = {}
         for k, op in self._collectors().items():
             p = getattr(self, k)
@@ -628,11 +648,12 @@ class ShardedParameters:
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the sequential layer's state dict on the root worker, ``{}``
         elsewhere."""
-        return self._gathered(lambda p: p.detach())
+        return self._gathered(lambda p: p.detach(), "global_state_dict")
 
     def global_grads(self) -> dict[str, torch.Tensor]:
         """Collective: the full gradients on the root worker, ``{}`` elsewhere."""
-        return self._gathered(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return self._gathered(lambda p: p.grad if p.grad is not None else torch.zeros_like(p),
+                             "global_grads")
 
     # -- per-rank checkpoints carry their layout ------------------------------------------
     def layout(self) -> dict:

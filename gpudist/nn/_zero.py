@@ -132,7 +132,8 @@ class ZeroParameters(ShardedParameters):
     def _cut(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return self.shards[name].shard(t)  # this worker's chunk
 
-    def _gathered(self, pick) -> dict[str, torch.Tensor]:
+    def _gathered(self, pick, name: str) -> dict[str, torch.Tensor]:
+        self._same_layer(f"{type(self).__name__}.{name}")
         out = {}
         for k, z in self.shards.items():
             v = z.to_root(pick(getattr(self, k)))

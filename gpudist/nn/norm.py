@@ -225,9 +225,8 @@ class DistributedBatchNorm(ShardedParameters, DistributedModule):
         digest = state_digest({k: getattr(self, k) for k in (
             "running_mean", "running_var", "num_batches_tracked")}) if block >= 0 else 0
         group = self.world_group
-        me = stable_hash((self._uid, self.P_x.key))  # this layer, on every rank alike
-        rows = exchange(group, Row.make(name[-24:], OK, me, None, "cpu", [block + 1],
-                                        None, digest), name)
+        rows = exchange(group, Row.make(name[-24:], OK, self._layer_config(), None, "cpu",
+                                        [block + 1], None, digest), name)
         same_program(rows, group.ranks, name)  # every rank at this layer's same check
         copies: dict[int, dict[int, list[int]]] = {}
         for r, x in zip(group.ranks, rows):
