@@ -76,6 +76,7 @@ SETTINGS = {
     "GPUDIST_PLAN_CACHE": partial(number, minimum=1, integer=True),
     "GPUDIST_EXIT_TEARDOWN_S": partial(number, minimum=1, maximum=86400, integer=True),
     "GPUDIST_CHECK_CALLS": flag,
+    "GPUDIST_CHECK_EVERY": partial(number, minimum=0, maximum=1 << 40, integer=True),
     "GPUDIST_FORCE_STAGING": flag,
     "GPUDIST_MPI_PERSISTENT": flag,
     "GPUDIST_MPI_CUDA_AWARE": flag,

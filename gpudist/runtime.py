@@ -111,6 +111,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# the call check of a group's operators every this many (GPUDIST_CHECK_EVERY): one small
+# metadata exchange per 1024 calls, about 0.1-0.5 us a call on a CPU host; NEVER: off
+CHECK_EVERY = 1024
+NEVER = 1 << 62
+
+
 @dataclass
 class World:
     """The job: this rank, the world size, the transport, the control plane, the default
@@ -127,6 +133,10 @@ class World:
     cache_size: int = 8
     uids: dict = field(default_factory=dict)
     check_calls: bool = False  # GPUDIST_CHECK_CALLS: compare every call (meta.check_call)
+    # the period of the call check of every group's operators (GPUDIST_CHECK_EVERY; a
+    # program that skips or adds an operator on some ranks is found within this many
+    # operators of the group where nothing else finds it; NEVER: off)
+    check_every: int = CHECK_EVERY
     ranks_here: int = 1  # the world's ranks on this host (this one included)
     cores_here: int = 0  # the cores they may run on together (0: not known; this rank's)
     exit_teardown_s: int = 10  # GPUDIST_EXIT_TEARDOWN_S (read by init: see _excepthook)
@@ -256,6 +266,7 @@ def init(
             timeout = setting("GPUDIST_COMM_TIMEOUT", DEFAULT_TIMEOUT_S)
         cache = setting("GPUDIST_PLAN_CACHE", 8)
         check_calls = setting("GPUDIST_CHECK_CALLS", False)
+        every = setting("GPUDIST_CHECK_EVERY", CHECK_EVERY)
         teardown = setting("GPUDIST_EXIT_TEARDOWN_S", EXIT_TEARDOWN_S)
         if rank is not None:
             launch = LaunchEnv("explicit", rank, int(world_size or 1), rank, None, None)
@@ -267,8 +278,8 @@ def init(
         raise
     _WORLD = World(launch.rank, launch.size, launch.local_rank, dev, backend, transport,
                    launch, control, max(1, cache))
-    _WORLD.check_calls, _WORLD.ranks_here, _WORLD.cores_here = _start_exchange(
-        _WORLD, check_calls)
+    (_WORLD.check_calls, _WORLD.check_every, _WORLD.ranks_here,
+     _WORLD.cores_here) = _start_exchange(_WORLD, check_calls, every)
     _WORLD.exit_teardown_s = teardown
     _choose_waits(_WORLD)
     if launch.size > 1:
@@ -346,28 +357,30 @@ def _affinity_words() -> list[int]:
     return words
 
 
-def _start_exchange(w: World, flag: bool) -> tuple[bool, int, int]:
-    """(whether ``flag`` is set on any rank, how many ranks run on this host, on how many
+def _start_exchange(w: World, flag: bool, every: int) -> tuple[bool, int, int, int]:
+    """(whether ``flag`` is set on any rank, the shortest period ``every`` any rank asked
+    for (:data:`NEVER` where all said 0), how many ranks run on this host, on how many
     cores together): one world-collective exchange at init, so that a setting read from
     one rank's environment holds on every rank. Ranks bound to a core each (srun
     --cpu-bind=cores, Open MPI's default binding) see one core in their own affinity, but
     the union of the host's ranks' affinities counts them all."""
     if w.size == 1:
-        return flag, 1, _cores()
+        return flag, every or NEVER, 1, _cores()
     tr = w.transport
     host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    k = 2 + MASK_WORDS
+    k = 3 + MASK_WORDS
     out = torch.empty(k * w.size, dtype=torch.int64)
-    row = torch.tensor([int(flag), host] + _affinity_words(), dtype=torch.int64)
+    row = torch.tensor([int(flag), host, every or NEVER] + _affinity_words(),
+                       dtype=torch.int64)
     tr.wait([tr.meta_all_gather(out, row, tr.group(range(w.size)))],
             "the settings exchange of gpudist.init")
     rows = out.view(w.size, k)
     here = rows[:, 1] == host
     union = [0] * MASK_WORDS
     for r in rows[here].tolist():
-        union = [a | b for a, b in zip(union, r[2:])]
+        union = [a | b for a, b in zip(union, r[3:])]
     cores = sum(bin(x).count("1") for x in union)
-    return bool(rows[:, 0].any()), int(here.sum()), cores
+    return bool(rows[:, 0].any()), int(rows[:, 2].min()), int(here.sum()), cores
 
 
 def _cpus() -> set[int] | range:

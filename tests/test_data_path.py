@@ -20,7 +20,7 @@ from gpudist.primitives import (
     SumReduce,
 )
 from tests.conftest import BACKENDS
-from tests.util import forced_staging, global_tensor
+from tests.util import counted_meta_exchanges, forced_staging, global_tensor
 
 
 class _Counter(TorchDispatchMode):
@@ -78,22 +78,12 @@ def _count_meta(steps=3):
     net = _Net(w.size)
     x = DistTensor.from_local(torch.randn(2, 2, 8 // w.size, 8, dtype=torch.float64), net.P,
                               (2, 2, 8, 8))
-    calls = []
-    orig = w.transport.meta_all_gather
-
-    def counting(*a, **k):
-        calls.append(1)
-        return orig(*a, **k)
-
-    w.transport.meta_all_gather = counting
-    try:
+    with counted_meta_exchanges() as calls:
         net(x).backward()  # first call: plans made, checked across ranks
         first = len(calls)
         with _Counter() as c:
             for _ in range(steps):
                 net(x).backward()
-    finally:
-        del w.transport.meta_all_gather
     return first, len(calls) - first, c.syncs
 
 
@@ -119,8 +109,6 @@ def _count_meta_mixed(how, steps=3):
     c2 = gnn.DistributedConv2d(P, 2, 2, 3, padding=1, dtype=torch.float64)
     x = DistTensor.from_local(global_tensor((1, 2, 4, 6), seed=w.rank).requires_grad_(True),
                               P, (1, 2, 4 * w.size, 6))
-    calls, orig = [], w.transport.meta_all_gather
-
     def step():
         if how == "plain" or how == "monitor":
             c2(c1(x)).local.sum().backward()
@@ -132,14 +120,11 @@ def _count_meta_mixed(how, steps=3):
                               use_reentrant=how == "reentrant")
             y.sum().backward()
 
-    w.transport.meta_all_gather = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
-    try:
+    with counted_meta_exchanges() as calls:
         step()
         first = len(calls)
         for _ in range(steps - 1):
             step()
-    finally:
-        del w.transport.meta_all_gather
     return len(calls) - first, x.local.grad.tolist(), c1.weight.grad.tolist()
 
 

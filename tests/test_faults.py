@@ -29,6 +29,7 @@ from gpudist.primitives import (
     collect,
     distribute,
 )
+from gpudist.runtime import NEVER
 from gpudist.spec import PARTIAL, REPLICATE
 from tests.conftest import BACKENDS, HAS_MPI
 from tests.harness import ROOT, mpiexec
@@ -1260,13 +1261,17 @@ def test_requires_grad_differing_at_a_repeated_spec(cluster, backend, kind, off)
     assert secs < FAST, secs
 
 
-def _diverging_calls(kind, check, diverge=True):
+def _diverging_calls(kind, check, diverge=True, steps=3, every=None, done=None):
     """After two alike steps, rank 1 diverges in a way no per-change check sees: it calls
-    two Repartitions of the same ranks and counts in swapped order ("swap"), or skips the
+    two Repartitions of the same ranks and counts in swapped order ("swap"), skips the
     backward of a Broadcast whose root then runs its adjoint against rank 1's next forward
-    ("skip"). With the call check on (``GPUDIST_CHECK_CALLS``): a mismatch on every rank."""
+    ("skip"), or runs that backward twice (``retain_graph``, "extra"). With the call check
+    on (``GPUDIST_CHECK_CALLS``): a mismatch on every rank; with a periodic one
+    (``every``), a mismatch within that many operators."""
     w = gpudist.world()
-    w.check_calls = check
+    w.check_calls, period = check, w.check_every
+    if every is not None:
+        w.check_every = every
     odd = diverge and w.rank == 1
     try:
         P, Q, P1 = Partition([0, 1], (2,)), Partition([1, 0], (2,)), Partition([0], (1,))
@@ -1274,7 +1279,7 @@ def _diverging_calls(kind, check, diverge=True):
             a, b = Repartition(P, Q), Repartition(P, Q)
             spec = TensorSpec(P, (4,), torch.float64, "cpu")
             out = []
-            for step in range(3):
+            for step in range(steps):
                 xa = DistTensor(torch.full((2,), 10.0 * step + w.rank, dtype=torch.float64),
                                 spec)
                 xb = DistTensor(torch.full((2,), 10.0 * step + 5 + w.rank,
@@ -1284,20 +1289,26 @@ def _diverging_calls(kind, check, diverge=True):
                 else:
                     ya, yb = a(xa), b(xb)
                 out.append((ya.local.tolist(), yb.local.tolist()))
+                if done is not None:
+                    done.append(step)
             return out
         op = Broadcast(P1, P)
         spec = TensorSpec(P1, (3,), torch.float64, "cpu")
         grads = []
-        for step in range(3):
+        for step in range(steps):
             loc = torch.full(spec.local_shape, 1.0 + step, dtype=torch.float64,
                              requires_grad=True)
             y = op(DistTensor(loc, spec))
-            if step != 1 or not odd:
-                y.local.sum().backward()
+            if step != 1 or not odd or kind == "extra":
+                y.local.sum().backward(retain_graph=True)
+                if step == 1 and odd:
+                    y.local.sum().backward()
                 grads.append(loc.grad.sum().item())
+            if done is not None:
+                done.append(step)
         return grads
     finally:
-        w.check_calls = False
+        w.check_calls, w.check_every = False, period
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -1306,6 +1317,34 @@ def test_call_check_finds_what_the_change_checks_cannot(cluster, backend, kind):
     errs, secs = _run_timed(cluster, 2, _diverging_calls, kind, True, backend=backend)
     _is_mismatch_everywhere(errs, "call check")
     assert secs < FAST, secs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["swap", "skip", "extra"])
+def test_periodic_check_finds_a_diverged_program(cluster, backend, kind):
+    """What only the call check finds (wrong values, no error, before it: a fuzz found an
+    extra backward on one rank giving its peer wrong gradients) is found, on every rank, by
+    the periodic check within its period of the group's operators."""
+    found = cluster.run(2, _steps_until_found, kind, 8, backend=backend, timeout=120)
+    assert all(e in ("MismatchError", "RemoteError") for e, _ in found), found
+    assert max(n for _, n in found) <= 6, found  # (3 operators a step)
+    if kind == "swap":  # (the others' ranks end up waiting for each other, on gloo
+        # at least: found by the diagnostics too)
+        late = cluster.run(2, _steps_until_found, kind, NEVER, backend=backend,
+                           timeout=120)
+        assert max(n for _, n in late) == 40, late  # without it: found at the end only
+    cluster.discard(2, backend)  # (an aborted world)
+
+
+def _steps_until_found(kind, every):
+    """(the error _diverging_calls ends with here, how many of its 40 steps ran first)"""
+    done = []
+    try:
+        _diverging_calls(kind, False, True, 40, every, done)
+        gpudist.world().control.ensure_alive()  # (a peer may have found it meanwhile)
+        return None, len(done)
+    except Exception as e:  # noqa: BLE001 - what the rank raised is the result
+        return type(e).__name__, len(done)
 
 
 def _setting_and_alike_calls():

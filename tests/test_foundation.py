@@ -315,17 +315,18 @@ def _bound_ranks():
     cores = sorted(mine)
     try:
         os.sched_setaffinity(0, {cores[w.rank % len(cores)]})
-        _, here, together = _start_exchange(w, False)
+        # (the periodic check's period agreed too: the shortest asked for, 0 = none)
+        _, every, here, together = _start_exchange(w, False, 100 * w.rank)
         alone = _cores()
     finally:
         os.sched_setaffinity(0, mine)
-    return here, together, alone, len(cores)
+    return here, together, alone, len(cores), every
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_cores_of_bound_ranks(cluster, n):
-    for here, together, alone, cores in cluster.run(n, _bound_ranks):
-        assert here == n and alone == 1
+    for here, together, alone, cores, every in cluster.run(n, _bound_ranks):
+        assert here == n and alone == 1 and every == 100
         assert together == min(n, cores)
 
 
@@ -591,7 +592,8 @@ _BAD_SETTINGS = [("GPUDIST_DIAG_AFTER", "abc"), ("GPUDIST_COMM_TIMEOUT", "0"),
                  ("GPUDIST_SPIN_S", "-1"), ("GPUDIST_PACKER", "bogus"),
                  ("GPUDIST_GLOO_WAIT", "spin"), ("GPUDIST_COMM_TIMEOUT", "1e300"),
                  ("GPUDIST_COMM_TIMEOUT", "0.0001"), ("GPUDIST_EXIT_TEARDOWN_S", "99999999999"),
-                 ("GPUDIST_NAP_MAX_S", "1e6")]
+                 ("GPUDIST_NAP_MAX_S", "1e6"), ("GPUDIST_CHECK_EVERY", "-1"),
+                 ("GPUDIST_CHECK_EVERY", "2.5")]
 
 
 def test_a_bad_setting_is_named_at_init():
@@ -614,13 +616,16 @@ for var, value in cases:
         print("refused", var, value, "|", e, "| joined:", dist.is_initialized())
     del os.environ[var]
 os.environ["GPUDIST_CHECK_CALLS"] = "off"
-print("check", gpudist.init().check_calls)
+os.environ["GPUDIST_CHECK_EVERY"] = "0"
+w = gpudist.init()
+print("every", w.check_every == gpudist.runtime.NEVER)
+print("check", w.check_calls)
 """
     env = dict(os.environ, CASES=json.dumps(_BAD_SETTINGS), **dict(_BAD_SETTINGS))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     out = p.stdout + p.stderr
-    assert p.returncode == 0 and out.rstrip().endswith("check False"), out
+    assert p.returncode == 0 and out.rstrip().endswith("every True\ncheck False"), out
     lines = p.stdout.splitlines()
     for var, value in _BAD_SETTINGS:
         line = next((ln for ln in lines if ln.startswith(f"refused {var} {value} |")), None)

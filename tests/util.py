@@ -27,6 +27,25 @@ def forced_staging():
         tr.staging.clear()
 
 
+@contextmanager
+def counted_meta_exchanges():
+    """Inside: a list that gets an entry per metadata exchange this rank's transport makes,
+    the periodic call check off (its exchange every ``check_every`` operators of a group
+    would land in a window by the chance of the pool's history)."""
+    import gpudist
+    from gpudist.runtime import NEVER
+
+    w = gpudist.world()
+    calls, orig, every = [], w.transport.meta_all_gather, w.check_every
+    w.transport.meta_all_gather = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+    w.check_every = NEVER
+    try:
+        yield calls
+    finally:
+        del w.transport.meta_all_gather
+        w.check_every = every
+
+
 def global_tensor(shape, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(tuple(shape), generator=g, dtype=torch.float64).to(dtype)

@@ -377,9 +377,10 @@ class Primitive(torch.nn.Module):
     def _numbered(self, f: Callable[[torch.Tensor], torch.Tensor], label: str, fp: int
                   ) -> Callable[[torch.Tensor], torch.Tensor]:
         """``f`` (F or F* of one plan) as one call the control plane counts (every member
-        of the group counts the same calls), the call check first where it is on (made
-        once per plan and direction: every call runs it; it holds neither the primitive
-        nor the plan, see :func:`_late`)."""
+        of the group counts the same calls), the call check first where it is on, and at
+        every ``World.check_every``-th operator of the group (made once per plan and
+        direction: every call runs it; it holds neither the primitive nor the plan, see
+        :func:`_late`)."""
         w, ctl, group, parts = self.world, self.world.control, self.group, self.participants
         begin = ctl.numberer(parts, label, fp, self.collective)
 
@@ -388,6 +389,8 @@ class Primitive(torch.nn.Module):
                 check_call(group, label, fp, ctl.count(parts))
             prev = begin()
             try:
+                if not ctl._op[1] % w.check_every:  # the group's periodic check
+                    check_call(group, label, fp, ctl._op[1])
                 return f(x)
             finally:
                 ctl._op = prev
@@ -532,10 +535,12 @@ class Primitive(torch.nn.Module):
         return self.world.control.op(self.participants, label, fp, self.collective)
 
     def _check_call(self, label: str, fp: int) -> None:
-        """With the world's call check on, the members compare what they are about to run."""
+        """With the world's call check on, the members compare what they are about to run;
+        else they do at the group's periodic check (``World.check_every``)."""
         w = self.world
-        if w.check_calls:
-            check_call(self.group, label, fp, w.control.count(self.participants))
+        n = w.control.count(self.participants)
+        if w.check_calls or not (n + 1) % w.check_every:
+            check_call(self.group, label, fp, n)
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F on a block, numbered for the control plane (both paths of :meth:`apply_plan`)."""
