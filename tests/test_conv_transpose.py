@@ -248,6 +248,11 @@ def _bad(which):
     elif which == "too_small":  # output length (4-1)*1 - 2*3 + 0 + 1 = -2
         layer = DistributedConvTranspose1d(P1, 1, 1, 1, padding=3, dtype=torch.float64)
         layer(block_of(global_tensor((1, 1, 4)), P1))
+    elif which == "empty_output":  # (4-1)*2 - 2*4 + 1*(2-1) + 0 + 1 = 0, refused by torch
+        # too (its strided 2-D path alone returns an empty tensor: README)
+        layer = DistributedConvTranspose1d(P1, 1, 1, 2, stride=2, padding=4,
+                                           dtype=torch.float64)
+        layer(block_of(global_tensor((1, 1, 4)), P1))
     elif which == "output_size":  # torch's forward argument: refused, naming the fix
         layer = DistributedConvTranspose1d(P1, 2, 2, 3, stride=2, dtype=torch.float64)
         layer(block_of(global_tensor((1, 2, 8)), P1), output_size=[16])
@@ -257,12 +262,15 @@ def _bad(which):
     ("groups", "PartitionError"), ("channels", "PartitionError"),
     ("padding_mode", "ValueError"), ("output_padding", "ValueError"),
     ("in_channels", "ShapeError"), ("too_small", "ShapeError"),
-    ("output_size", "ValueError")])
+    ("output_size", "ValueError"), ("empty_output", "ShapeError")])
 def test_bad_input_errors_on_every_rank(cluster, which, err):
     errs = cluster.run(4, _bad, which, expect_error=True)
     assert all(e is not None and e.type == err for e in errs), errs
     assert all(e.message == errs[0].message for e in errs), errs
     assert "ConvTranspose" in errs[0].message, errs[0]
+    if which == "empty_output":
+        with pytest.raises(RuntimeError, match="too small"):
+            torch.nn.ConvTranspose1d(1, 1, 2, stride=2, padding=4)(torch.zeros(1, 1, 4))
 
 
 def test_halo_wider_than_the_neighbours(cluster):

@@ -342,6 +342,11 @@ def _bad_conv(which):
         gnn.DistributedConv2d(Partition.grid((1, 2, 1, 2)), 4, 4, 3)
     elif which == "padding_mode":
         gnn.DistributedConv2d(Partition.grid((1, 1, 2, 2)), 4, 4, 3, padding_mode="reflect")
+    elif which == "kernel_1tuple":  # torch keeps (3,) as the kernel, then fails (a peer
+        # suite found it taken as 3x3); its stride, padding, dilation take 1-tuples
+        gnn.DistributedConv2d(Partition.grid((1, 1, 2, 2)), 4, 4, (3,))
+    elif which == "transposed_kernel_1tuple":
+        gnn.DistributedConvTranspose2d(Partition.grid((1, 1, 2, 2)), 4, 4, (3,), stride=(2,))
     elif which == "local_shape":
         P_w = Partition.grid((1, 1, 2, 1, 2))
         layer = gnn.DistributedConv2d(Partition.grid((1, 2, 1, 2)), 5, 4, 3, P_w=P_w)
@@ -356,7 +361,8 @@ def _bad_conv(which):
 @pytest.mark.parametrize("which,err", [
     ("groups", "ValueError"), ("P_x", "PartitionError"), ("channels", "PartitionError"),
     ("padding_mode", "ValueError"), ("local_shape", "ShapeError"),
-    ("local_shape_outside_P_x", "ShapeError")])
+    ("local_shape_outside_P_x", "ShapeError"), ("kernel_1tuple", "ValueError"),
+    ("transposed_kernel_1tuple", "ValueError")])
 def test_conv_bad_input_errors_on_every_rank(cluster, which, err):
     errs = cluster.run(4, _bad_conv, which, expect_error=True)
     assert all(e is not None and e.type == err for e in errs), errs

@@ -280,6 +280,8 @@ BAD = [
     (1, dict(scale_factor=2, mode="area", align_corners=False), "ValueError", "align_corners"),
     (2, dict(size=(4, 5, 6)), "ValueError", "size"),
     (3, dict(scale_factor=(2, 2)), "ValueError", "scale_factor"),
+    (2, dict(scale_factor=(2.0,)), "ValueError", "scale_factor"),  # (torch refuses a
+    (2, dict(size=(4,)), "ValueError", "size"),  # 1-tuple for 2 dims; pooling takes it)
     (1, dict(scale_factor=-2.0), "ValueError", "scale_factor"),
     (2, dict(size=0), "ValueError", "size"),
     (1, dict(size=4, recompute_scale_factor=True), "ValueError", "recompute_scale_factor"),

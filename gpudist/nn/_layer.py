@@ -55,12 +55,15 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def per_dim(name: str, layer: str, value, n: int, kind: type = int,
-            allow_none: bool = False) -> tuple | None:
-    """An int (or float) or a sequence of 1 or ``n`` of them -> ``n``-tuple (torch's rule)."""
+            allow_none: bool = False, exact: bool = False) -> tuple | None:
+    """An int (or float) or a sequence of 1 or ``n`` of them -> ``n``-tuple (torch's rule;
+    ``exact``: a sequence of ``n`` only, as torch's rule for a conv's kernel size and a
+    resize's size or scale factor, where it keeps a 1-tuple as given and then fails)."""
     if value is None and allow_none:
         return None
-    vals = list(value) if isinstance(value, (list, tuple)) else [value]
-    ok = len(vals) in (1, n) and all(
+    seq = isinstance(value, (list, tuple))
+    vals = list(value) if seq else [value]
+    ok = len(vals) in ((n,) if exact and seq else (1, n)) and all(
         not isinstance(v, bool) and isinstance(v, (int, float) if kind is float else int)
         for v in vals)
     if not ok:

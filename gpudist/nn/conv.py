@@ -100,7 +100,7 @@ class DistributedConvNd(ShardedParameters, DistributedModule):
             raise raised_everywhere(PartitionError(
                 f"{name}: the input partition must have {n + 2} dimensions (N, C, "
                 f"spatial...), got {P_x.shape}"))
-        self.k = per_dim("kernel_size", name, kernel_size, n)
+        self.k = per_dim("kernel_size", name, kernel_size, n, exact=True)
         self.s = per_dim("stride", name, stride, n)
         self.d = per_dim("dilation", name, dilation, n)
         self.pads = self._padding(padding, name)

@@ -107,7 +107,7 @@ class _ChannelConvNd(ZeroParameters, DistributedModule):
             raise raised_everywhere(ValueError(
                 f"{name}: padding_mode={padding_mode!r} is not supported (use one of "
                 f"{list(('zeros',) if self.transposed else _MODES)})"))
-        self.k = per_dim("kernel_size", name, kernel_size, n)
+        self.k = per_dim("kernel_size", name, kernel_size, n, exact=True)
         self.s = per_dim("stride", name, stride, n)
         self.d = per_dim("dilation", name, dilation, n)
         if min(self.k + self.s + self.d) < 1:

@@ -128,7 +128,7 @@ class DistributedConvTransposeNd(ShardedParameters, DistributedModule):
             raise raised_everywhere(PartitionError(
                 f"{name}: the input partition must have {n + 2} dimensions (N, C, "
                 f"spatial...), got {P_x.shape}"))
-        self.k = per_dim("kernel_size", name, kernel_size, n)
+        self.k = per_dim("kernel_size", name, kernel_size, n, exact=True)
         self.s = per_dim("stride", name, stride, n)
         self.p = per_dim("padding", name, padding, n)
         self.q = per_dim("output_padding", name, output_padding, n)

@@ -386,9 +386,9 @@ class DistributedUpsample(DistributedModule):
             raise ValueError(f"{name}: recompute_scale_factor is not meaningful with an "
                              f"explicit size")
         self.P_x, self.spatial, self.mode = P_x, n, mode
-        self.size = per_dim("size", name, size, n, int, allow_none=True)
+        self.size = per_dim("size", name, size, n, int, allow_none=True, exact=True)
         self.scale_factor = per_dim("scale_factor", name, scale_factor, n, float,
-                                    allow_none=True)
+                                    allow_none=True, exact=True)
         # (torch's area mode, an adaptive pooling, takes an output size of 0: empty output)
         if self.size is not None and any(s < (0 if mode == "area" else 1) for s in self.size):
             raise ValueError(f"{name}: size must be positive"
