@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gpudist
 import gpudist.nn as gnn
@@ -829,6 +830,7 @@ def test_init_failing_on_one_rank_ends_an_mpi_job(bad, tmp_path):
 _STORE_SERVER_LEAVES = """
 import os, sys, time
 import torch
+import torch.nn.functional as F
 import gpudist
 from gpudist.primitives import AllSumReduce
 w = gpudist.init(backend="mpi")
@@ -1893,6 +1895,29 @@ def _pointwise():
         out["sum"] = "no error"
     except AttributeError as e:
         out["sum"] = str(e)
+    # more point-wise functions (a peer suite found them refused), two and three operands
+    # laid out alike, each equal to torch's on the blocks; on summands refused
+    b = (split * 0.5 + 0.25)
+    bl = b.local
+    pairs = [(torch.hypot(split, b), torch.hypot(a, bl)),
+             (torch.atan2(split, b), torch.atan2(a, bl)),
+             (torch.copysign(split, -b), torch.copysign(a, -bl)),
+             (torch.fmod(split, b), torch.fmod(a, bl)),
+             (torch.xlogy(split, b), torch.xlogy(a, bl)),
+             (torch.logaddexp(split, b), torch.logaddexp(a, bl)),
+             (torch.lerp(split, b, 0.3), torch.lerp(a, bl, 0.3)),
+             (torch.addcmul(split, b, b, value=2), torch.addcmul(a, bl, bl, value=2)),
+             (torch.addcdiv(split, b, b + 1), torch.addcdiv(a, bl, bl + 1)),
+             (torch.nan_to_num(split / 0.0), torch.nan_to_num(a / 0.0)),
+             (F.threshold(split, 1.5, -1.0), F.threshold(a, 1.5, -1.0)),
+             (split.lerp(b, 0.5), a.lerp(bl, 0.5)), (torch.log2(split + 1), torch.log2(a + 1))]
+    out["pointwise"] = [isinstance(d, DistTensor) and d.spec.partition == P
+                        and torch.equal(d.local, t) for d, t in pairs]
+    try:
+        torch.hypot(summands, summands)
+        out["hypot_summands"] = "no error"
+    except TypeError as e:
+        out["hypot_summands"] = str(e)
     total = ASR(P, axes=(0,))
     # the exact ones: sums of summands, scaling, negation, copies
     y = (summands + summands) * 2 - (-summands) / 0.5 + torch.clone(summands) \
@@ -1997,6 +2022,7 @@ def test_pointwise_ops_refuse_what_would_be_wrong(cluster):
         assert o["methods"] == [True, True, True], o
         assert "has no .sum()" in o["sum"] and "x.local" in o["sum"], o
         assert o["more"] == [True] * 13, o
+        assert o["pointwise"] == [True] * 13 and "summands" in o["hypot_summands"], o
         assert "does not support @" in o["matmul"], o
         assert "truth value" in o["bool"] and "does not support where" in o["where1"], o
         assert "summands" in o["pow_summands"] and "summands" in o["gt_summands"], o
