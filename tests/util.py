@@ -28,22 +28,32 @@ def forced_staging():
 
 
 @contextmanager
-def counted_meta_exchanges():
-    """Inside: a list that gets an entry per metadata exchange this rank's transport makes,
-    the periodic call check off (its exchange every ``check_every`` operators of a group
-    would land in a window by the chance of the pool's history)."""
+def without_periodic_check():
+    """Inside: this rank's periodic call check off (for tests that count operators,
+    metadata exchanges or allocations: its exchange every ``check_every`` operators of a
+    group would land in their window by the chance of the pool's history)."""
     import gpudist
     from gpudist.runtime import NEVER
 
     w = gpudist.world()
-    calls, orig, every = [], w.transport.meta_all_gather, w.check_every
-    w.transport.meta_all_gather = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
-    w.check_every = NEVER
+    every, w.check_every = w.check_every, NEVER
     try:
-        yield calls
+        yield w
     finally:
-        del w.transport.meta_all_gather
         w.check_every = every
+
+
+@contextmanager
+def counted_meta_exchanges():
+    """Inside: a list that gets an entry per metadata exchange this rank's transport
+    makes (the periodic call check off)."""
+    with without_periodic_check() as w:
+        calls, orig = [], w.transport.meta_all_gather
+        w.transport.meta_all_gather = lambda *a, **k: (calls.append(1), orig(*a, **k))[1]
+        try:
+            yield calls
+        finally:
+            del w.transport.meta_all_gather
 
 
 def global_tensor(shape, seed=0, dtype=torch.float64):

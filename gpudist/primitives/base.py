@@ -384,13 +384,14 @@ class Primitive(torch.nn.Module):
         w, ctl, group, parts = self.world, self.world.control, self.group, self.participants
         begin = ctl.numberer(parts, label, fp, self.collective)
 
+        seqs = ctl._seq
+
         def run(x: torch.Tensor) -> torch.Tensor:
-            if w.check_calls:
-                check_call(group, label, fp, ctl.count(parts))
+            n = seqs.get(parts, 0)  # (the group's periodic check: as _check_call's)
+            if w.check_calls or not (n + 1) % w.check_every:
+                check_call(group, label, fp, n)
             prev = begin()
             try:
-                if not ctl._op[1] % w.check_every:  # the group's periodic check
-                    check_call(group, label, fp, ctl._op[1])
                 return f(x)
             finally:
                 ctl._op = prev
@@ -536,7 +537,9 @@ class Primitive(torch.nn.Module):
 
     def _check_call(self, label: str, fp: int) -> None:
         """With the world's call check on, the members compare what they are about to run;
-        else they do at the group's periodic check (``World.check_every``)."""
+        else they do at the group's periodic check (``World.check_every``), before the
+        operator is numbered, as :meth:`_numbered` does (the two paths of one operator
+        may differ between ranks: the check must come at the same count on both)."""
         w = self.world
         n = w.control.count(self.participants)
         if w.check_calls or not (n + 1) % w.check_every:
