@@ -104,7 +104,8 @@ class DistributedLoss(DistributedModule):
             f"{self.name}: the target on rank(s) {{ranks}} does not fit: it must be that "
             f"rank's block of a tensor over the input's partition (the input block's shape; "
             f"class indices without the class dim; an empty one on ranks outside the "
-            f"input's partition); broadcasting a target is not supported")
+            f"input's partition); broadcasting a target is not supported (each of those "
+            f"ranks' error says what is wrong with its target)")
 
     def extra_repr(self) -> str:
         fn = getattr(self.fn, "__qualname__", type(self.fn).__name__)
