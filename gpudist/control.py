@@ -48,6 +48,7 @@ SPIN_S = 0.04  # a spinning wait (MPI) polls this long before it naps
 HOT_SPIN_S = 5e-5  # ... the first this long without yielding, where ranks fit the cores
 NAP_MAX_S = 1e-4  # the longest nap between two polls (MPI moves data only while polled)
 HISTORY = 64  # operators remembered per group for the diagnostics
+HISTORY_MASK = (1 << 62) - 1  # (a group's history hash fits a metadata row's int64)
 TASK_DONE_OPS = 8  # a pool rank's last operators per group published when its task ends
 DEFAULT_DIAG_AFTER_S = 2.0  # (env GPUDIST_DIAG_AFTER, read by each Control)
 
@@ -137,6 +138,10 @@ class Control:
                            if diag_after is None else diag_after)
         self.aborted: BaseException | None = None
         self._seq: dict[tuple[int, ...], int] = {}
+        # a hash of each group's operators so far, in order (their fingerprints): equal on
+        # every member of a program that runs alike; the call checks compare it, so an
+        # operator skipped, added or swapped on some ranks since the last check is found
+        self._history: dict[tuple[int, ...], int] = {}
         # the last HISTORY operators of each group (ring by sequence number): a peer stuck
         # at an operator number this rank has passed is checked against what ran here
         self._past: dict[tuple[int, ...], list[Op | None]] = {}
@@ -338,6 +343,8 @@ class Control:
                 ) -> Op:
         seq = self._seq.get(key, 0) + 1
         self._seq[key] = seq
+        hist = self._history
+        hist[key] = (hist.get(key, 0) * 1000003 + fingerprint) & HISTORY_MASK
         op = _new_op((key, seq, what, fingerprint, needs_all))  # Op(...) without its
         # Python-level __new__
         past = self._past.get(key)
@@ -349,6 +356,10 @@ class Control:
     def count(self, group: tuple[int, ...]) -> int:
         """How many operators this rank has run on ``group``."""
         return self._seq.get(group, 0)
+
+    def history(self, group: tuple[int, ...]) -> int:
+        """The hash of the operators this rank has run on ``group``, in order."""
+        return self._history.get(group, 0)
 
     # -- the wait loop --------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], what: Label, timeout: float | None = None,

@@ -179,25 +179,30 @@ def barrier(group: Group | None, what: str, world=None) -> None:
     same_program(rows, group.ranks if group is not None else (), what, world)
 
 
-def check_call(group: Group | None, what: str, fingerprint: int, seq: int) -> None:
-    """The call check (``GPUDIST_CHECK_CALLS=1``): before a data exchange, compare the
+def check_call(group: Group | None, what: str, fingerprint: int, seq: int,
+               history: int = 0) -> None:
+    """The call check (every call with ``GPUDIST_CHECK_CALLS=1``, else every
+    ``World.check_every``-th operator of a group): before a data exchange, compare the
     operator each member is about to run (``what`` and the ``fingerprint`` of its plan and
-    direction) and how many operators each has run on the group (``seq``). Catches what the
+    direction), how many operators each has run on the group (``seq``) and the hash of
+    those operators in order (``history``, :meth:`Control.history`). Catches what the
     per-change checks cannot: two operators whose counts agree run in swapped order by
-    some ranks, or an adjoint meeting a forward (a skipped backward). One small all-gather
-    per call."""
+    some ranks, an adjoint meeting a forward (a skipped or an extra backward), a step
+    skipped whole. One small all-gather per check."""
     if group is None or group.size == 1:
         return
-    rows = exchange(group, Row.make(what, OK, fingerprint, None, "cpu", None, None,
+    rows = exchange(group, Row.make(what, OK, fingerprint, None, "cpu", [history], None,
                                     spec_hash=seq), f"call check of {what}")
-    if len({(x.name, x.config, x.spec_hash) for x in rows}) > 1:
+    if len({(x.name, x.config, x.spec_hash, x.local) for x in rows}) > 1:
         detail = "; ".join(f"rank {r}: {x.name} [plan {x.config & 0xFFFFFFFF:#x}] after "
-                           f"{x.spec_hash} operators" for r, x in zip(group.ranks, rows))
+                           f"{x.spec_hash} operators [history {x.local[0] & 0xFFFFFFFF:#x}]"
+                           for r, x in zip(group.ranks, rows))
         err = MismatchError(
             f"call check over ranks {list(group.ranks)}: the ranks are about to run "
-            f"different operators ({detail}): the program differs between ranks (operators "
-            f"called in another order, a backward skipped, or an operator run on some "
-            f"ranks only)")
+            f"different operators, or ran different ones on the group before ({detail}): "
+            f"the program differs between ranks (operators called in another order, a "
+            f"backward skipped or run once more, a step skipped, or an operator run on "
+            f"some ranks only)")
         _diverged(err, what)
 
 

@@ -141,6 +141,11 @@ class World:
     cores_here: int = 0  # the cores they may run on together (0: not known; this rank's)
     exit_teardown_s: int = 10  # GPUDIST_EXIT_TEARDOWN_S (read by init: see _excepthook)
 
+    def __setattr__(self, name: str, value) -> None:
+        if name == "check_every" and value <= 0:  # 0 (or less): never, as the setting's
+            value = NEVER
+        object.__setattr__(self, name, value)
+
     @property
     def timeout(self) -> float:
         return self.transport.timeout

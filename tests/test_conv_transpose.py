@@ -249,7 +249,8 @@ def _bad(which):
         layer = DistributedConvTranspose1d(P1, 1, 1, 1, padding=3, dtype=torch.float64)
         layer(block_of(global_tensor((1, 1, 4)), P1))
     elif which == "empty_output":  # (4-1)*2 - 2*4 + 1*(2-1) + 0 + 1 = 0, refused by torch
-        # too (its strided 2-D path alone returns an empty tensor: README)
+        # too here (its float32 path with a batch of 2 or more returns an empty tensor:
+        # README)
         layer = DistributedConvTranspose1d(P1, 1, 1, 2, stride=2, padding=4,
                                            dtype=torch.float64)
         layer(block_of(global_tensor((1, 1, 4)), P1))

@@ -618,7 +618,10 @@ for var, value in cases:
 os.environ["GPUDIST_CHECK_CALLS"] = "off"
 os.environ["GPUDIST_CHECK_EVERY"] = "0"
 w = gpudist.init()
-print("every", w.check_every == gpudist.runtime.NEVER)
+never = w.check_every == gpudist.runtime.NEVER
+w.check_every = 8
+w.check_every = 0  # (set on the world: 0 is never too, not a modulo by zero)
+print("every", never and w.check_every == gpudist.runtime.NEVER)
 print("check", w.check_calls)
 """
     env = dict(os.environ, CASES=json.dumps(_BAD_SETTINGS), **dict(_BAD_SETTINGS))

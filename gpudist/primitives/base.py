@@ -389,7 +389,7 @@ class Primitive(torch.nn.Module):
         def run(x: torch.Tensor) -> torch.Tensor:
             n = seqs.get(parts, 0)  # (the group's periodic check: as _check_call's)
             if w.check_calls or not (n + 1) % w.check_every:
-                check_call(group, label, fp, n)
+                check_call(group, label, fp, n, ctl.history(parts))
             prev = begin()
             try:
                 return f(x)
@@ -529,7 +529,8 @@ class Primitive(torch.nn.Module):
     def numbered(self, plan: Plan, adjoint: bool = False):
         """``with op.numbered(plan)``: one call of F (or F*) as the control plane counts it
         (every member of the group counts the same calls). With the world's call check on
-        (``GPUDIST_CHECK_CALLS=1``) the members first compare what they are about to run."""
+        (``GPUDIST_CHECK_CALLS=1``), and at the group's periodic check, the members first
+        compare what they are about to run and what they ran (:meth:`_check_call`)."""
         label, fp = ((self._adj_label, plan.fingerprint + 1) if adjoint else
                      (self._fwd_label, plan.fingerprint))
         self._check_call(label, fp)
@@ -543,7 +544,7 @@ class Primitive(torch.nn.Module):
         w = self.world
         n = w.control.count(self.participants)
         if w.check_calls or not (n + 1) % w.check_every:
-            check_call(self.group, label, fp, n)
+            check_call(self.group, label, fp, n, w.control.history(self.participants))
 
     def run_forward(self, x: torch.Tensor, plan: Plan) -> torch.Tensor:
         """F on a block, numbered for the control plane (both paths of :meth:`apply_plan`)."""
