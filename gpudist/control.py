@@ -153,6 +153,10 @@ class Control:
         # same on every rank), None outside a pool: a peer that finished this task without
         # reaching an operator this rank waits in never will
         self.task: int | None = None
+        # an error a helper thread raised for a wait of this rank's (the gloo point-to-point
+        # watch) that the caller may never have seen (its wait had completed meanwhile):
+        # the caller's next call raises it, not a WorldAborted that only wraps it
+        self.undelivered: BaseException | None = None
         self.spin_s = setting("GPUDIST_SPIN_S", SPIN_S)
         self.nap_max_s = setting("GPUDIST_NAP_MAX_S", NAP_MAX_S)
         # set by gpudist.init where this host's ranks fit its cores (no peer to yield to)
@@ -248,8 +252,13 @@ class Control:
 
     def ensure_alive(self) -> None:
         """Raise at once if this world was aborted (no communication after a failure) or
-        finalized."""
+        finalized: the error itself where a helper thread found it and the caller has not
+        raised it yet (:attr:`undelivered`), else a :class:`WorldAborted` naming it."""
         if self.aborted is not None:
+            u, self.undelivered = self.undelivered, None
+            if u is not None and not getattr(u, "_gpudist_delivered", False):
+                u._gpudist_delivered = True
+                raise u.with_traceback(None)
             e = self.aborted
             if isinstance(e, WorldFinalized):
                 raise WorldFinalized(str(e))

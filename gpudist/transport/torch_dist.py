@@ -182,6 +182,7 @@ class _P2PWatch:
                 control.wait(p.event.is_set, what, block=p.event.wait)
             except BaseException as e:  # noqa: BLE001 - the caller's, with its waits cut
                 p.error = e
+                control.undelivered = e  # (its wait may have completed meanwhile)
                 self._cut(p)
             p = what = None
 
@@ -368,6 +369,7 @@ class TorchDistTransport(Transport):
         def finish_gloo() -> None:
             e = pending.error
             if e is not None:  # the backend's failure, or the watch's error (its cause)
+                e._gpudist_delivered = True  # (raised here: not again, Control.undelivered)
                 if isinstance(e, RuntimeError) and not isinstance(e, GpudistError):
                     raise _backend_error(e, what, self.control) from e
                 raise e
