@@ -256,7 +256,7 @@ class Control:
         raised it yet (:attr:`undelivered`), else a :class:`WorldAborted` naming it."""
         if self.aborted is not None:
             u, self.undelivered = self.undelivered, None
-            if u is not None and not getattr(u, "_gpudist_delivered", False):
+            if u is self.aborted and not getattr(u, "_gpudist_delivered", False):
                 u._gpudist_delivered = True
                 raise u.with_traceback(None)
             e = self.aborted

@@ -171,11 +171,13 @@ def _diverged(err: MismatchError, what: str, world=None) -> None:
     raise err
 
 
-def barrier(group: Group | None, what: str, world=None) -> None:
-    """A checked barrier: a metadata exchange of a row naming ``what``, so a rank that
-    meets another operator's exchange (or wait) raises a MismatchError on every rank (a raw
-    barrier's shorter row against a metadata row crashed gloo)."""
-    rows = exchange(group, Row.make(what, OK, 0, None, "cpu", None, None), what, world)
+def barrier(group: Group | None, what: str, world=None, config: int = 0) -> None:
+    """A checked barrier: a metadata exchange of a row naming ``what`` (and ``config``,
+    e.g. a layer's), so a rank that meets another operator's exchange (or wait), or one
+    of another config, raises a MismatchError on every rank (a raw barrier's shorter row
+    against a metadata row crashed gloo)."""
+    rows = exchange(group, Row.make(what[-8 * _NAME_WORDS:], OK, config, None, "cpu", None,
+                                    None), what, world)  # (a long name's end tells it)
     same_program(rows, group.ranks if group is not None else (), what, world)
 
 
@@ -187,8 +189,9 @@ def check_call(group: Group | None, what: str, fingerprint: int, seq: int,
     direction), how many operators each has run on the group (``seq``) and the hash of
     those operators in order (``history``, :meth:`Control.history`). Catches what the
     per-change checks cannot: two operators whose counts agree run in swapped order by
-    some ranks, an adjoint meeting a forward (a skipped or an extra backward), a step
-    skipped whole. One small all-gather per check."""
+    some ranks, an adjoint meeting a forward (a skipped or an extra backward), an operator
+    skipped or added since the last check (not a whole step skipped among alike steps:
+    the sequence stays alike). One small all-gather per check."""
     if group is None or group.size == 1:
         return
     rows = exchange(group, Row.make(what, OK, fingerprint, None, "cpu", [history], None,
@@ -201,8 +204,7 @@ def check_call(group: Group | None, what: str, fingerprint: int, seq: int,
             f"call check over ranks {list(group.ranks)}: the ranks are about to run "
             f"different operators, or ran different ones on the group before ({detail}): "
             f"the program differs between ranks (operators called in another order, a "
-            f"backward skipped or run once more, a step skipped, or an operator run on "
-            f"some ranks only)")
+            f"backward skipped or run once more, or an operator run on some ranks only)")
         _diverged(err, what)
 
 

@@ -39,6 +39,7 @@ from ..meta import (
     OK,
     PARAM_GRAD_BITS,
     Row,
+    barrier,
     config_of,
     derive_spec,
     exchange,
@@ -611,10 +612,7 @@ class ShardedParameters:
         alike (else a MismatchError on every rank, the world ended)."""
         w = self.root.world
         if w.size > 1:
-            group = w.transport.group(range(w.size))
-            rows = exchange(group, Row.make(name[-24:], OK, self._layer_config(), None,
-                                            "cpu", None, None), name)
-            same_program(rows, group.ranks, name)
+            barrier(w.transport.group(range(w.size)), name, w, self._layer_config())
 
     def _global_entries(self) -> dict[str, tuple[int, ...]]:
         """The sequential layer's state dict entries this layer holds, with their global
